@@ -1,0 +1,165 @@
+"""The engine contract shared by every speech engine.
+
+An engine accepts :class:`SpeechRequest` objects, streams :class:`AudioChunk` objects back for
+each one, and frees a stream's resources at once on :meth:`Engine.abort`. Errors a caller caused
+raise :class:`InvalidRequestError` before anything is scheduled; the ingress translates them to
+HTTP once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal, Protocol
+
+import numpy as np
+
+Mode = Literal["read", "chat"]
+MODES: tuple[str, ...] = ("read", "chat")
+
+
+class EngineError(RuntimeError):
+    """A failure inside the engine while serving a request (not the caller's fault)."""
+
+
+class InvalidRequestError(ValueError):
+    """The caller asked for something the engine cannot do; maps to a 4xx reply.
+
+    ``param`` names the offending request field, ``code`` is a short machine-readable reason.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request",
+                 status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status_code = status_code
+
+
+class EngineOverloadedError(EngineError):
+    """No free slot and the engine's own queue is full; maps to 503 with Retry-After."""
+
+
+class RequestAbortedError(EngineError):
+    """The stream was aborted (client gone, shutdown) before it finished."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """LLM sampling for ``chat`` mode (MINICPMO.md section 5 defaults).
+
+    ``temperature == 0`` means greedy decoding, which makes a request's output independent of
+    the batch it runs in.
+    """
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 100
+    repetition_penalty: float = 1.05
+    max_new_tokens: int = 512
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            raise InvalidRequestError("temperature must be within [0, 2]", "temperature")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p must be within (0, 1]", "top_p")
+        if not (1 <= self.top_k <= 100_000):
+            raise InvalidRequestError("top_k must be at least 1", "top_k")
+        if not (math.isfinite(self.repetition_penalty) and 0.5 <= self.repetition_penalty <= 2.0):
+            raise InvalidRequestError("repetition_penalty must be within [0.5, 2]",
+                                      "repetition_penalty")
+        if not (1 <= self.max_new_tokens <= 4096):
+            raise InvalidRequestError("max_new_tokens must be within [1, 4096]", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class LengthControls:
+    """Benchmark knobs that fix a stream's length (random weights never stop by themselves).
+
+    ``ignore_eos``: keep generating audio past end-of-audio codes; ``audio_frames``: stop after
+    exactly this many code frames; ``llm_tokens``: the chat answer has exactly this many tokens.
+    """
+
+    ignore_eos: bool = False
+    audio_frames: int | None = None
+    llm_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """One text-to-speech stream."""
+
+    request_id: str
+    text: str
+    mode: Mode = "read"
+    voice: str = "default"
+    speed: float = 1.0
+    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    system_prompt: str | None = None
+    max_audio_s: float | None = None
+    lengths: LengthControls = field(default_factory=LengthControls)
+
+
+@dataclass
+class AudioChunk:
+    """A piece of a stream's audio: float32 mono PCM at ``sample_rate_hz``.
+
+    ``text`` is the text this chunk covers (may be empty); ``final`` marks the stream's last
+    chunk (which may hold no samples); ``timings_s`` carries per-stage seconds for metrics.
+    """
+
+    request_id: str
+    samples: np.ndarray
+    sample_rate_hz: int
+    text: str = ""
+    final: bool = False
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / float(self.sample_rate_hz)
+
+
+@dataclass
+class EngineStats:
+    """Counters the synthesizer exports as metrics and tests read."""
+
+    active_streams: int = 0
+    queued_streams: int = 0
+    max_slots: int = 0
+    steps: int = 0
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    last_batch_size: int = 0
+    max_batch_size_seen: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Engine(Protocol):
+    """What the synthesizer needs from an engine."""
+
+    sample_rate_hz: int
+    modes: tuple[str, ...]
+
+    def voices(self) -> list[str]: ...
+
+    def validate(self, request: SpeechRequest) -> None:
+        """Raise :class:`InvalidRequestError` if the request cannot be served; touches nothing."""
+
+    def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
+        """Admit requests; each returned iterator yields that stream's chunks, the last final."""
+
+    def abort(self, request_id: str) -> None:
+        """Free the stream's slot at once; its iterator ends with :class:`RequestAbortedError`."""
+
+    def stats(self) -> EngineStats: ...
+
+    def warmup(self) -> None:
+        """Run a throwaway request so the first real one pays no compile/allocation cost."""
+
+    def close(self) -> None: ...
