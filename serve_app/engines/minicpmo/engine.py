@@ -1,0 +1,711 @@
+"""Continuous-batching MiniCPM-o 2.6 speech engine (no Ray import).
+
+One step loop, on its own thread, advances every admitted stream together:
+
+1. admission: batched LLM prefill of new requests -> speaker embeddings (and, in chat mode,
+   the first token); read-mode prefills use a throwaway cache, chat streams keep an LLM slot;
+2. one batched LLM decode step for chat streams that still produce text (3 tokens per piece);
+3. per stream, the pure :class:`~.schedule.SpeechSchedule` turns pieces into work;
+4. batched TTS text prefills, then one batched audio step for every generating stream;
+5. batched DVAE + Vocos decode of the streams that completed a generate call; audio that can
+   no longer change is handed to the caller at once.
+
+Requests are plain records that move from the admission queue into slots; ``abort`` frees a
+slot at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import numpy as np
+import torch
+
+from ..base import (AudioChunk, EngineOverloadedError, EngineStats, InvalidRequestError,
+                    RequestAbortedError, SpeechRequest, EngineError)
+from .codec import StreamingAudioJoiner
+from .layers import SlotKVCache, StepInputs, causal_attend
+from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
+from .sampling import (apply_repetition_penalty, sample_or_argmax, top_k_filter, top_p_filter)
+from .schedule import (AudioStep, CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill,
+                       release_start)
+from .text import (GENERATION_PROMPT, PIECE_TOKENS, READ_INSTRUCTION, TERMINATOR_TOKENS,
+                   TTS_EOS_MARK, PieceDecoder, cut_into_pieces, has_speakable_text, user_turn)
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 24_000
+SAMPLES_PER_FRAME = 512
+TTS_TEMPERATURE = (0.1, 0.3, 0.1, 0.3)
+TTS_MIN_KEEP = 3
+MAX_TEXT_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine configuration (``engine_options`` in serve_config.yaml)."""
+
+    model: str = DEFAULT_MODEL_ID
+    revision: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_slots: int = 64
+    max_chat_slots: int = 32
+    max_queued: int = 256
+    tts_max_positions: int = 1536
+    llm_max_positions: int = 2048
+    chunk_frames: int = 25
+    tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
+    max_segment_frames: int = 2048
+    voices: tuple[str, ...] = ("default",)
+    keep_traces: bool = False  # tests: keep each finished stream's codes (see ``trace``)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float32": torch.float32}[self.dtype]
+
+
+@dataclass
+class StreamPlan:
+    """What a stream speaks: a prompt for the speaker embedding and either fixed text pieces
+    (read mode) or LLM decoding (chat mode)."""
+
+    request: SpeechRequest
+    prompt: str
+    pieces: list[str] | None
+
+
+@dataclass
+class _Stream:
+    plan: StreamPlan
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    submitted_at: float
+    schedule: SpeechSchedule | None = None
+    slot: int = -1
+    llm_slot: int = -1
+    speaker: torch.Tensor | None = None
+    pieces: collections.deque = field(default_factory=collections.deque)
+    text_done: bool = False
+    # chat-mode LLM state
+    llm_len: int = 0
+    next_token: int | None = None
+    group: list[int] = field(default_factory=list)
+    penalty_window: list[int] = field(default_factory=list)
+    piece_decoder: PieceDecoder | None = None
+    llm_tokens: int = 0
+    tts_steps: int = 0
+    llm_steps: int = 0
+    joiner: StreamingAudioJoiner | None = None
+    first_audio_at: float | None = None
+    samples_out: int = 0
+    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.request.request_id
+
+
+class MiniCPMOEngine:
+    """The production engine: native batched MiniCPM-o 2.6 speech."""
+
+    sample_rate_hz = SAMPLE_RATE_HZ
+    modes = ("read", "chat")
+
+    def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
+        self.options = options
+        self.model = model
+        self.device = next(model.tts.parameters()).device
+        self.dtype = next(model.tts.parameters()).dtype
+        cfg = model.config
+        self.tts_cache = SlotKVCache(cfg.tts_shape(), options.max_slots, options.tts_max_positions,
+                                     self.device, self.dtype)
+        self.llm_cache = SlotKVCache(cfg.llm, options.max_chat_slots, options.llm_max_positions,
+                                     self.device, self.dtype)
+        tok = model.tokenizer
+        self._terminators = [tok.convert_tokens_to_ids(t) for t in TERMINATOR_TOKENS]
+        self._tts_eos_id = tok.convert_tokens_to_ids(TTS_EOS_MARK)
+        self._spk_id = tok.convert_tokens_to_ids("<|spk|>")
+        self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
+        self._gen_prompt_ids = tok(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
+        self._free_slots = list(range(options.max_slots))[::-1]
+        self._free_llm_slots = list(range(options.max_chat_slots))[::-1]
+        self._pending: collections.deque[_Stream] = collections.deque()
+        self._active: dict[str, _Stream] = {}
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._stats = EngineStats(max_slots=options.max_slots)
+        self._traces: dict[str, SpeechSchedule] = {}
+        self._step_counter = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
+        self._thread.start()
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_options(cls, **raw: object) -> "MiniCPMOEngine":
+        fields = EngineOptions.__dataclass_fields__
+        unknown = set(raw) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        if "voices" in raw:
+            raw["voices"] = tuple(raw["voices"])  # type: ignore[arg-type]
+        options = EngineOptions(**raw)  # type: ignore[arg-type]
+        started = time.perf_counter()
+        model = load_speech_model(options.model, options.revision, options.resolved_device(),
+                                  options.resolved_dtype())
+        logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
+        return cls(model, options)
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def voices(self) -> list[str]:
+        return list(self.options.voices)
+
+    def validate(self, request: SpeechRequest) -> None:
+        text = request.text
+        if not text or not text.strip():
+            raise InvalidRequestError("text must not be empty", "text")
+        if len(text) > MAX_TEXT_CHARS:
+            raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters", "text",
+                                      code="text_too_long")
+        if request.mode not in self.modes:
+            raise InvalidRequestError(f"unknown mode {request.mode!r}", "mode")
+        if request.mode == "read" and not has_speakable_text(text):
+            raise InvalidRequestError("text holds nothing speakable (no letters or digits)", "text",
+                                      code="nothing_to_speak")
+        if request.voice not in self.options.voices:
+            raise InvalidRequestError(f"unknown voice {request.voice!r}", "voice",
+                                      code="unknown_voice")
+        if request.speed != 1.0:
+            raise InvalidRequestError("this engine speaks at speed 1.0 only", "speed")
+        request.sampling.validate()
+        prompt_tokens = len(self.model.tokenizer(self._prompt_text(request),
+                                                  add_special_tokens=False)["input_ids"])
+        prompt_tokens += len(self._gen_prompt_ids)
+        if request.mode == "chat":
+            budget = self.options.llm_max_positions - prompt_tokens
+            if budget < PIECE_TOKENS + 1:
+                raise InvalidRequestError("text is too long for a chat turn", "text",
+                                          code="text_too_long")
+
+    def _prompt_text(self, request: SpeechRequest) -> str:
+        if request.mode == "read":
+            return user_turn(READ_INSTRUCTION + request.text, request.system_prompt)
+        return user_turn(request.text, request.system_prompt)
+
+    def plan(self, request: SpeechRequest) -> StreamPlan:
+        prompt = self._prompt_text(request)
+        if request.mode == "read":
+            ids = self.model.tokenizer(request.text, add_special_tokens=False)["input_ids"]
+            return StreamPlan(request, prompt, cut_into_pieces(ids, self.model.tokenizer.decode))
+        return StreamPlan(request, prompt, None)
+
+    def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
+        for request in requests:
+            self.validate(request)
+        return self.submit_plans([self.plan(r) for r in requests])
+
+    def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:
+        """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces)."""
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(plan, asyncio.Queue(), loop, time.perf_counter()) for plan in plans]
+        with self._lock:
+            if len(self._pending) + len(streams) > self.options.max_queued:
+                raise EngineOverloadedError("engine queue is full")
+            for stream in streams:
+                if stream.request_id in self._active or any(
+                        s.request_id == stream.request_id for s in self._pending):
+                    raise InvalidRequestError("duplicate request id", "request_id")
+            self._pending.extend(streams)
+        self._wake.set()
+        return [self._iterate(stream) for stream in streams]
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            self._stats.active_streams = len(self._active)
+            self._stats.queued_streams = len(self._pending)
+            return EngineStats(**self._stats.as_dict())
+
+    def warmup(self) -> None:
+        """Run one short read request through every stage."""
+
+        async def run() -> None:
+            request = SpeechRequest(request_id=f"warmup-{time.monotonic_ns()}", text="Warm up.",
+                                    mode="read")
+            (stream,) = self.submit([request])
+            async for _ in stream:
+                pass
+
+        asyncio.run(run())
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    async def _iterate(self, stream: _Stream) -> AsyncIterator[AudioChunk]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.final:
+                    return
+        finally:
+            if not stream.done:
+                self.abort(stream.request_id)
+
+    # ---- step loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            if not self._active and not self._pending and not self._aborts:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as error:  # one bad step must not kill the loop; fail its streams
+                logger.exception("engine step failed")
+                for stream in list(self._active.values()):
+                    self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
+
+    def _step(self) -> None:
+        next(self._step_counter)
+        self._apply_aborts()
+        self._admit()
+        self._llm_decode()
+        prefills: list[tuple[_Stream, object]] = []
+        for stream in list(self._active.values()):
+            self._advance_text(stream, prefills)
+        self._run_tts_prefills(prefills)
+        generating = [s for s in self._active.values()
+                      if s.schedule is not None and s.schedule.phase is Phase.GENERATING]
+        decode_jobs: list[tuple[_Stream, DecodeJob]] = []
+        follow_up: list[tuple[_Stream, object]] = []
+        if generating:
+            self._tts_step(generating, decode_jobs, follow_up)
+        self._run_tts_prefills(follow_up)
+        self._decode(decode_jobs)
+        for stream in list(self._active.values()):
+            if stream.schedule is not None and stream.schedule.phase is Phase.DONE:
+                self._complete(stream)
+        with self._lock:
+            self._stats.steps += 1
+            self._stats.last_batch_size = len(generating)
+            self._stats.max_batch_size_seen = max(self._stats.max_batch_size_seen, len(generating))
+
+    # ---- admission and release -------------------------------------------------------------
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            kept = collections.deque()
+            for stream in self._pending:
+                if stream.request_id in aborts:
+                    self._stats.aborted += 1
+                    self._send(stream, RequestAbortedError("aborted"))
+                    stream.done = True
+                else:
+                    kept.append(stream)
+            self._pending = kept
+        for request_id in aborts:
+            stream = self._active.get(request_id)
+            if stream is not None:
+                self._release(stream)
+                stream.done = True
+                self._send(stream, RequestAbortedError("aborted"))
+                with self._lock:
+                    self._stats.aborted += 1
+
+    def _admit(self) -> None:
+        admitted: list[_Stream] = []
+        with self._lock:
+            while self._pending and self._free_slots:
+                stream = self._pending[0]
+                if stream.plan.pieces is None and not self._free_llm_slots:
+                    break
+                self._pending.popleft()
+                stream.slot = self._free_slots.pop()
+                if stream.plan.pieces is None:
+                    stream.llm_slot = self._free_llm_slots.pop()
+                admitted.append(stream)
+        if not admitted:
+            return
+        for stream in admitted:
+            self._active[stream.request_id] = stream
+            self.tts_cache.clear_slot(stream.slot, upto=self.model.config.tts.condition_length)
+        try:
+            self._prefill_llm(admitted)
+        except Exception as error:
+            logger.exception("prefill failed")
+            for stream in admitted:
+                self._fail(stream, EngineError(f"prefill failed: {type(error).__name__}"))
+            return
+        for stream in admitted:
+            self._init_schedule(stream)
+
+    def _init_schedule(self, stream: _Stream) -> None:
+        request = stream.plan.request
+        cfg = self.model.config.tts
+        lengths = request.lengths
+        frame_limit = lengths.audio_frames
+        if request.max_audio_s is not None:
+            cap = int(request.max_audio_s * SAMPLE_RATE_HZ / SAMPLES_PER_FRAME)
+            frame_limit = cap if frame_limit is None else min(frame_limit, cap)
+        stts = self._stts_id
+        tokenizer = self.model.tts_tokenizer
+        stream.schedule = SpeechSchedule(
+            config=cfg,
+            tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            decode_tokens=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+            chunk_frames=self.options.chunk_frames,
+            max_segment_frames=self.options.max_segment_frames,
+            max_positions=self.options.tts_max_positions,
+            ignore_eos=lengths.ignore_eos or lengths.audio_frames is not None,
+            total_frame_limit=frame_limit,
+            stts_id=stts)
+        stream.joiner = StreamingAudioJoiner()
+        if stream.plan.pieces is not None:
+            stream.pieces.extend(stream.plan.pieces)
+            stream.text_done = True
+
+    def _release(self, stream: _Stream) -> None:
+        self._active.pop(stream.request_id, None)
+        with self._lock:
+            if stream.slot >= 0:
+                self._free_slots.append(stream.slot)
+            if stream.llm_slot >= 0:
+                self._free_llm_slots.append(stream.llm_slot)
+        stream.slot = stream.llm_slot = -1
+
+    def _fail(self, stream: _Stream, error: BaseException) -> None:
+        if stream.done:
+            return
+        self._release(stream)
+        stream.done = True
+        with self._lock:
+            self._stats.failed += 1
+        self._send(stream, error)
+
+    def trace(self, request_id: str) -> SpeechSchedule | None:
+        """The finished schedule of a stream (only with ``keep_traces``)."""
+        return self._traces.get(request_id)
+
+    def _complete(self, stream: _Stream) -> None:
+        if self.options.keep_traces and stream.schedule is not None:
+            self._traces[stream.request_id] = stream.schedule
+        tail = stream.joiner.finish() if stream.joiner is not None else np.zeros(0, np.float32)
+        self._release(stream)
+        self._emit(stream, tail, final=True)
+        stream.done = True
+        with self._lock:
+            self._stats.completed += 1
+
+    def _send(self, stream: _Stream, item: object) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is gone; nobody is listening
+            pass
+
+    def _emit(self, stream: _Stream, samples: np.ndarray, final: bool = False) -> None:
+        if len(samples) == 0 and not final:
+            return
+        now = time.perf_counter()
+        timings = {}
+        if stream.first_audio_at is None and len(samples):
+            stream.first_audio_at = now
+            timings["ttfb_s"] = now - stream.submitted_at
+        if final:
+            timings.update(total_s=now - stream.submitted_at, tts_steps=float(stream.tts_steps),
+                           llm_tokens=float(stream.llm_tokens))
+        text = stream.schedule.text_since_emit if stream.schedule is not None else ""
+        if stream.schedule is not None:
+            stream.schedule.text_since_emit = ""
+        stream.samples_out += len(samples)
+        self._send(stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
+                                      SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings))
+
+    # ---- LLM ---------------------------------------------------------------------------------
+
+    def _prefill_llm(self, streams: list[_Stream]) -> None:
+        tok = self.model.tokenizer
+        prompts = [tok(s.plan.prompt, add_special_tokens=False)["input_ids"] + self._gen_prompt_ids
+                   for s in streams]
+        longest = max(len(p) for p in prompts)
+        batch = len(streams)
+        chat = [s.plan.pieces is None for s in streams]
+        if all(chat):
+            cache, rows = self.llm_cache, torch.tensor([s.llm_slot for s in streams], device=self.device)
+        else:
+            cache = SlotKVCache(self.model.config.llm, batch, longest, self.device, self.dtype)
+            rows = torch.arange(batch, device=self.device)
+        ids = torch.zeros(batch, longest, dtype=torch.long)
+        valid = torch.zeros(batch, longest, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+            valid[i, : len(p)] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        positions = torch.arange(longest, device=self.device).expand(batch, longest)
+        write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
+        step = StepInputs(rows, positions, write, causal_attend(positions, valid, cache.max_positions + 1))
+        hidden = self.model.llm.hidden_states(ids, cache, step)
+        spk_index = torch.tensor([max(i for i, t in enumerate(p) if t == self._spk_id) for p in prompts],
+                                 device=self.device)
+        spk_hidden = hidden[torch.arange(batch, device=self.device), spk_index]
+        speakers = self.model.tts.speaker_embedding(spk_hidden)
+        for i, stream in enumerate(streams):
+            stream.speaker = speakers[i]
+        chat_streams = [(i, s) for i, s in enumerate(streams) if s.plan.pieces is None]
+        if not chat_streams:
+            return
+        if not all(chat):  # mixed batch: redo the chat prompts into their own slots
+            self._prefill_llm([s for _, s in chat_streams])
+            return
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        logits = self.model.llm.logits(hidden[torch.arange(batch, device=self.device), last])
+        for i, stream in enumerate(streams):
+            stream.llm_len = len(prompts[i])
+            stream.penalty_window = list(self._gen_prompt_ids)
+            stream.piece_decoder = PieceDecoder(tok.decode, self._terminators)
+        tokens = self._sample_llm(streams, logits)
+        for stream, token in zip(streams, tokens):
+            self._accept_token(stream, token)
+
+    def _sample_llm(self, streams: list[_Stream], logits: torch.Tensor) -> list[int]:
+        params = [s.plan.request.sampling for s in streams]
+        width = max(len(s.penalty_window) for s in streams)
+        window = torch.tensor([s.penalty_window + [s.penalty_window[0]] * (width - len(s.penalty_window))
+                               for s in streams], device=self.device)
+        penalty = torch.tensor([[p.repetition_penalty] for p in params], device=self.device)
+        logits = apply_repetition_penalty(logits, window, torch.ones_like(window, dtype=torch.bool), penalty)
+        greedy = torch.tensor([p.temperature == 0 for p in params], device=self.device)
+        temperature = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in params],
+                                   device=self.device)
+        logits = logits / temperature
+        logits = top_k_filter(logits, torch.tensor([[p.top_k] for p in params], device=self.device), 1)
+        logits = top_p_filter(logits, torch.tensor([[p.top_p] for p in params], device=self.device), 1)
+        seeds = torch.tensor([s.plan.request.seed or 0 for s in streams], device=self.device)
+        counters = torch.tensor([s.llm_tokens for s in streams], device=self.device)
+        return sample_or_argmax(logits, greedy, seeds, counters * 7919 + 1).tolist()
+
+    def _accept_token(self, stream: _Stream, token: int) -> None:
+        """A sampled LLM token: group by 3 into pieces, stop at terminators or the limit."""
+        request = stream.plan.request
+        fixed = request.lengths.llm_tokens
+        stream.llm_tokens += 1
+        stream.group.append(token)
+        stream.penalty_window.append(token)
+        stream.next_token = token
+        terminated = fixed is None and (token in self._terminators or token == self._tts_eos_id)
+        limit = fixed if fixed is not None else request.sampling.max_new_tokens
+        if len(stream.group) == PIECE_TOKENS or terminated or stream.llm_tokens >= limit:
+            piece = stream.piece_decoder.push(stream.group)
+            stream.pieces.append(piece)
+            stream.penalty_window = [token]  # upstream penalises only the current call's ids
+            stream.group = []
+            if terminated or stream.llm_tokens >= limit or stream.llm_len + 1 >= self.options.llm_max_positions:
+                stream.text_done = True
+                self._free_llm_slot(stream)
+
+    def _free_llm_slot(self, stream: _Stream) -> None:
+        with self._lock:
+            if stream.llm_slot >= 0:
+                self._free_llm_slots.append(stream.llm_slot)
+        stream.llm_slot = -1
+
+    def _llm_decode(self) -> None:
+        streams = [s for s in self._active.values()
+                   if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0 and s.schedule is not None]
+        if not streams:
+            return
+        batch = len(streams)
+        rows = torch.tensor([s.llm_slot for s in streams], device=self.device)
+        ids = torch.tensor([[s.next_token] for s in streams], device=self.device)
+        positions = torch.tensor([[s.llm_len] for s in streams], device=self.device)
+        valid = torch.ones(batch, 1, dtype=torch.bool, device=self.device)
+        step = StepInputs(rows, positions, positions, causal_attend(positions, valid, self.llm_cache.max_positions + 1))
+        hidden = self.model.llm.hidden_states(ids, self.llm_cache, step)
+        logits = self.model.llm.logits(hidden[:, -1])
+        for stream in streams:
+            stream.llm_len += 1
+            stream.llm_steps += 1
+        for stream, token in zip(streams, self._sample_llm(streams, logits)):
+            self._accept_token(stream, token)
+
+    # ---- TTS ---------------------------------------------------------------------------------
+
+    def _advance_text(self, stream: _Stream, work: list) -> None:
+        schedule = stream.schedule
+        if schedule is None:
+            return
+        while schedule.phase is Phase.WAITING_TEXT:
+            if stream.pieces:
+                items = schedule.accept_piece(stream.pieces.popleft())
+            elif stream.text_done:
+                items = schedule.end_of_text()
+            else:
+                return
+            work.extend((stream, item) for item in items)
+            if schedule.phase is Phase.DONE:
+                return
+
+    def _run_tts_prefills(self, work: list[tuple[_Stream, object]]) -> None:
+        texts = []
+        for stream, item in work:
+            if stream.done or stream.slot < 0:
+                continue
+            if item == "reset_cache":
+                self.tts_cache.clear_slot(stream.slot, upto=self.model.config.tts.condition_length)
+            elif isinstance(item, TextPrefill):
+                texts.append((stream, item))
+            elif isinstance(item, CarryPrefill):
+                if texts:
+                    self._text_prefill(texts)
+                    texts = []
+                self._carry_prefill(stream, item)
+        if texts:
+            self._text_prefill(texts)
+
+    def _text_prefill(self, items: list[tuple[_Stream, TextPrefill]]) -> None:
+        tts = self.model.tts
+        cfg = self.model.config.tts
+        batch = len(items)
+        longest = max(len(item.token_ids) for _, item in items)
+        ids = torch.zeros(batch, longest, dtype=torch.long)
+        positions = torch.zeros(batch, longest, dtype=torch.long)
+        valid = torch.zeros(batch, longest, dtype=torch.bool)
+        for i, (_, item) in enumerate(items):
+            n = len(item.token_ids)
+            ids[i, :n] = torch.tensor(item.token_ids)
+            positions[i, :n] = torch.arange(item.start, item.start + n)
+            valid[i, :n] = True
+        ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
+        embeds = tts.emb_text(ids)
+        for i, (stream, item) in enumerate(items):
+            if item.with_speaker:
+                spk_at = [j for j, t in enumerate(item.token_ids) if t == cfg.spk_emb_token_id]
+                for j in spk_at:
+                    embeds[i, j] = stream.speaker.to(embeds.dtype)
+        rows = torch.tensor([s.slot for s, _ in items], device=self.device)
+        write = torch.where(valid, positions, torch.full_like(positions, self.tts_cache.scratch_position))
+        attend = causal_attend(positions, valid, self.tts_cache.max_positions + 1)
+        tts(embeds, self.tts_cache, StepInputs(rows, positions, write, attend))
+
+    def _carry_prefill(self, stream: _Stream, item: CarryPrefill) -> None:
+        tts = self.model.tts
+        cfg = self.model.config.tts
+        frames = torch.tensor(item.frames[:-1], dtype=torch.long, device=self.device).view(-1, cfg.num_vq)
+        bos = tts.emb_text(torch.tensor([cfg.audio_bos_token_id], device=self.device))
+        embeds = torch.cat([bos, tts.code_embedding(frames)], dim=0)[None]
+        count = embeds.shape[1]
+        positions = torch.arange(cfg.audio_bos_position, cfg.audio_bos_position + count,
+                                 device=self.device)[None]
+        text_len = len(stream.schedule.text_ids)
+        row = self._audio_visibility(torch.tensor([cfg.audio_bos_position + count - 1], device=self.device),
+                                     torch.tensor([cfg.audio_bos_position], device=self.device),
+                                     torch.tensor([text_len], device=self.device))
+        attend = row[:, :, None, :].expand(1, 1, count, row.shape[-1])
+        rows = torch.tensor([stream.slot], device=self.device)
+        tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
+
+    def _audio_visibility(self, limit: torch.Tensor, past: torch.Tensor,
+                          text_len: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T] keys an audio query may see (MINICPMO.md section 8)."""
+        cfg = self.model.config.tts
+        keys = torch.arange(self.tts_cache.max_positions + 1, device=self.device)[None, :]
+        chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
+                           cfg.streaming_audio_chunk_size, rounding_mode="floor")
+        hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,
+                                  max=cfg.streaming_text_reserved_len) + cfg.text_start
+        in_text = keys < cfg.condition_length
+        text_visible = (keys <= (text_len[:, None] + cfg.text_start)) | (keys == cfg.audio_bos_position)
+        visible = (keys <= limit[:, None]) & (~in_text | text_visible)
+        visible &= ~((keys >= hidden_from[:, None]) & (keys <= cfg.audio_bos_position))
+        return visible[:, None, :]
+
+    def _tts_step(self, streams: list[_Stream], decode_jobs: list, follow_up: list) -> None:
+        tts = self.model.tts
+        cfg = self.model.config.tts
+        steps: list[AudioStep] = [s.schedule.next_step() for s in streams]
+        batch = len(streams)
+        dev = self.device
+        bos_mask = torch.tensor([st.bos for st in steps], device=dev)
+        frames = torch.tensor([st.frame if st.frame is not None else [0] * cfg.num_vq for st in steps],
+                              dtype=torch.long, device=dev)
+        bos_embed = tts.emb_text(torch.full((batch,), cfg.audio_bos_token_id, device=dev))
+        embeds = torch.where(bos_mask[:, None], bos_embed, tts.code_embedding(frames))[:, None]
+        positions = torch.tensor([[st.position] for st in steps], device=dev)
+        text_len = torch.tensor([st.text_len for st in steps], device=dev)
+        attend = self._audio_visibility(positions[:, 0], positions[:, 0], text_len)[:, :, None, :]
+        rows = torch.tensor([s.slot for s in streams], device=dev)
+        hidden = tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
+        logits = tts.code_logits(hidden[:, -1])  # [B, vq, codes]
+        logits = logits / torch.tensor(TTS_TEMPERATURE, device=dev)[None, :, None]
+        flat = logits.reshape(batch * cfg.num_vq, -1)
+        warp = torch.tensor([st.apply_warpers for st in steps], device=dev).repeat_interleave(cfg.num_vq)
+        warped = top_p_filter(flat, torch.full((flat.shape[0], 1), cfg.top_p, device=dev), TTS_MIN_KEEP)
+        warped = top_k_filter(warped, torch.full((flat.shape[0], 1), cfg.top_k, device=dev, dtype=torch.long),
+                              TTS_MIN_KEEP)
+        flat = torch.where(warp[:, None], warped, flat)
+        eos_allowed = torch.tensor([st.eos_allowed for st in steps], device=dev).repeat_interleave(cfg.num_vq)
+        flat[:, cfg.eos_code] = torch.where(eos_allowed, flat[:, cfg.eos_code],
+                                            torch.full_like(flat[:, cfg.eos_code], float("-inf")))
+        greedy = torch.full((flat.shape[0],), self.options.tts_sampling == "greedy", device=dev)
+        seeds = torch.tensor([s.plan.request.seed or 0 for s in streams], device=dev).repeat_interleave(cfg.num_vq)
+        counters = torch.tensor([s.tts_steps for s in streams], device=dev).repeat_interleave(cfg.num_vq)
+        codebook = torch.arange(cfg.num_vq, device=dev).repeat(batch)
+        codes = sample_or_argmax(flat, greedy, seeds + 1_000_003, counters * 8 + codebook)
+        codes = codes.view(batch, cfg.num_vq).tolist()
+        for stream, frame in zip(streams, codes):
+            stream.tts_steps += 1
+            for item in stream.schedule.on_frame(frame):
+                if isinstance(item, DecodeJob):
+                    decode_jobs.append((stream, item))
+                else:
+                    follow_up.append((stream, item))
+
+    def _decode(self, jobs: list[tuple[_Stream, DecodeJob]]) -> None:
+        real = [(s, j) for s, j in jobs if j.frames and not s.done]
+        if real:
+            codes = [torch.tensor(j.frames, dtype=torch.long, device=self.device) for _, j in real]
+            waves = self.model.decoder.decode(codes)
+            for (stream, job), wave in zip(real, waves):
+                audio = wave.float().cpu().numpy()
+                if job.segment_start:
+                    tail = stream.joiner.finish()
+                    if len(tail):
+                        self._emit(stream, tail)
+                    stream.joiner.reset()
+                self._emit(stream, stream.joiner.push(audio))
+        for stream, job in jobs:
+            if job.last_of_segment and not stream.done:
+                tail = stream.joiner.finish()
+                stream.joiner.reset()
+                if len(tail):
+                    self._emit(stream, tail)

@@ -1,0 +1,166 @@
+"""Decoder layers that read and write a slot-based KV cache.
+
+The math (RMSNorm, gated MLP, rotary embedding) is transformers' own Llama/Qwen2 code; what is
+ours is the attention over a preallocated cache of ``slots x positions`` with per-row write
+positions and masks, so admission and completion never reallocate and decode steps keep static
+shapes. Module attribute names mirror the checkpoint keys (``self_attn.q_proj`` ...), so loading
+is a plain ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class SlotKVCache:
+    """Keys and values of ``num_slots`` streams, ``max_positions`` each, plus one scratch position.
+
+    The scratch position (index ``max_positions``) absorbs writes of padded or idle rows; no
+    mask ever lets a query see it.
+    """
+
+    def __init__(self, shape: DecoderShape, num_slots: int, max_positions: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        size = (num_slots, shape.num_kv_heads, max_positions + 1, shape.head_dim)
+        self.keys = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
+        self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
+        self.num_slots = num_slots
+        self.max_positions = max_positions
+        self.scratch_position = max_positions
+
+    @property
+    def bytes_per_slot(self) -> int:
+        first = self.keys[0]
+        return 2 * len(self.keys) * first[0].numel() * first.element_size()
+
+    def clear_slot(self, slot: int, upto: int | None = None) -> None:
+        """Zero a slot's positions ``[0, upto)`` (all when ``upto`` is None)."""
+        end = self.max_positions + 1 if upto is None else upto
+        for keys, values in zip(self.keys, self.values):
+            keys[slot, :, :end].zero_()
+            values[slot, :, :end].zero_()
+
+
+@dataclass
+class StepInputs:
+    """Per-row addressing of one forward pass over the cache.
+
+    ``rows``: slot index of each row [B]; ``positions``: rotary positions [B, S];
+    ``write_positions``: where each token's K/V goes [B, S] (scratch for padding);
+    ``attend``: boolean mask [B, 1, S, T] over the cache positions (True = visible);
+    ``contiguous``: rows are exactly ``0..B-1``, so the cache is sliced instead of gathered.
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    write_positions: torch.Tensor
+    attend: torch.Tensor
+    contiguous: bool = False
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, head_dim] as transformers' default rotary embedding computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class SlotAttention(nn.Module):
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_proj = nn.Linear(shape.hidden_size, shape.num_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        q = self.q_proj(hidden).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        row_index = step.rows[:, None]
+        keys[row_index, :, step.write_positions] = k.transpose(1, 2)
+        values[row_index, :, step.write_positions] = v.transpose(1, 2)
+        if step.contiguous:
+            row_keys, row_values = keys[:batch], values[:batch]
+        else:
+            row_keys, row_values = keys[step.rows], values[step.rows]
+        out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=step.attend,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape, mlp_config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = SlotAttention(shape)
+        self.mlp = LlamaMLP(mlp_config)
+        self.input_layernorm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, keys, values, step)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class SlotDecoder(nn.Module):
+    """A Llama/Qwen2 decoder stack (``layers``, ``norm``) over a :class:`SlotKVCache`."""
+
+    def __init__(self, shape: DecoderShape) -> None:
+        super().__init__()
+        self.shape = shape
+        mlp_config = LlamaConfig(hidden_size=shape.hidden_size,
+                                 intermediate_size=shape.intermediate_size,
+                                 hidden_act="silu", mlp_bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(shape, mlp_config) for _ in range(shape.num_layers)])
+        self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cache: SlotKVCache, step: StepInputs) -> torch.Tensor:
+        cos, sin = rotary_cos_sin(step.positions, self.shape.head_dim, self.shape.rope_theta,
+                                  hidden.dtype)
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            hidden = layer(hidden, cos, sin, keys, values, step)
+        return self.norm(hidden)
+
+
+def causal_attend(positions: torch.Tensor, valid: torch.Tensor, total_positions: int) -> torch.Tensor:
+    """Plain causal visibility [B, 1, S, T]: a query at position p sees keys ``0..p``.
+
+    ``valid`` [B, S] marks real tokens; padded queries see key 0 only (their output is unused,
+    but a row with no visible key would give NaN).
+    """
+    keys = torch.arange(total_positions, device=positions.device)
+    visible = keys[None, None, :] <= positions[:, :, None]
+    visible = torch.where(valid[:, :, None], visible, keys[None, None, :] == 0)
+    return visible[:, None]

@@ -1,0 +1,292 @@
+"""Per-stream control of the TTS stage: MINICPMO.md sections 6-8, one request at a time.
+
+A :class:`SpeechSchedule` holds no tensors. It consumes text pieces and generated frames and
+tells the engine what work the stream needs next (a text prefill, a carried-audio prefill, audio
+steps, a decode); the engine batches that work across all streams. Keeping the schedule pure
+is what makes a stream behave identically alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Sequence
+
+from .modeling import TTSConfig
+from .text import detect_language, sentence_end, spell_digits, TTS_EOS_MARK
+
+SEGMENT_TEXT_LIMIT_MARGIN = 180  # a new segment may start once L >= reserved - 180 (= 120)
+CARRY_TEXT_TOKENS = 5
+CARRY_FRAMES = 50
+DECODE_CONTEXT_FRAMES = 4
+MIN_FRAMES_PER_CALL = 10  # end-of-audio is forbidden for the first 10 frames of every call
+
+
+class Phase(Enum):
+    WAITING_TEXT = "waiting_text"  # needs the next piece (or the end of the text)
+    GENERATING = "generating"      # inside a generate call: needs audio steps
+    DONE = "done"
+
+
+@dataclass
+class TextPrefill:
+    """Write text embeddings for positions ``start .. start+len(token_ids)-1`` (causal)."""
+
+    token_ids: list[int]
+    start: int
+    with_speaker: bool
+
+
+@dataclass
+class CarryPrefill:
+    """Write ``[Ptts]`` and the carried frames (all but the last) at positions 302.. in one pass."""
+
+    frames: list[list[int]]
+
+
+@dataclass
+class DecodeJob:
+    """Decode these frames (with context) into one audio piece; ``new_segment`` resets the join."""
+
+    frames: list[list[int]]
+    segment_start: bool
+    last_of_segment: bool
+
+
+@dataclass
+class AudioStep:
+    """Inputs of the stream's next audio step."""
+
+    position: int
+    bos: bool
+    frame: list[int] | None
+    text_len: int
+    eos_allowed: bool
+    apply_warpers: bool
+
+
+@dataclass
+class SpeechSchedule:
+    config: TTSConfig
+    tokenize: Callable[[str], list[int]]
+    decode_tokens: Callable[[Sequence[int]], str]
+    chunk_frames: int = 25
+    max_segment_frames: int = 2048
+    max_positions: int = 4096
+    ignore_eos: bool = False
+    total_frame_limit: int | None = None
+    stts_id: int = 0
+
+    phase: Phase = Phase.WAITING_TEXT
+    gen_text: str = ""
+    gen_text_raw: str = ""
+    language: str | None = None
+    piece_in_segment: int = 0
+    first_piece_seen: bool = False
+    carried_segment: bool = False
+    chunk_index: int = 0
+    text_ids: list[int] = field(default_factory=list)
+    segment_frames: list[list[int]] = field(default_factory=list)
+    cache_len: int = 0
+    call_frames: int = 0
+    decoded_upto: int = 0
+    in_tail: bool = False
+    pending_new_segment: bool = False
+    text_left: str = ""
+    stopped: bool = False
+    frames_total: int = 0
+    segment_started_fresh: bool = True
+    text_since_emit: str = ""
+    # trace of what was generated: per segment its frames, per call the segment length after it
+    call_lengths: list[int] = field(default_factory=list)
+    finished_segments: list[list[list[int]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cache_len = self.config.audio_bos_position
+
+    # ---- text side -------------------------------------------------------------------------
+
+    @property
+    def text_len(self) -> int:
+        return len(self.text_ids)
+
+    def _retokenize(self) -> None:
+        ids = self.tokenize(self.gen_text)
+        self.text_ids = ids[: self.config.streaming_text_reserved_len]
+
+    def _layout_ids(self) -> list[int]:
+        """``[Stts] [spk_emb] t_1..t_L [Etts]`` (positions 0..L+2; no [Etts] when L is full)."""
+        c = self.config
+        layout = [self.stts_id, c.spk_emb_token_id] + self.text_ids
+        if self.text_len < c.streaming_text_reserved_len:
+            layout.append(c.text_eos_token_id)
+        return layout
+
+    def accept_piece(self, piece: str) -> list[object]:
+        """Consume one text piece; returns work to run (prefill + start of a call) or []."""
+        assert self.phase is Phase.WAITING_TEXT
+        piece = piece.split(TTS_EOS_MARK)[0]
+        self.text_since_emit += piece
+        if not self.first_piece_seen and not self.carried_segment:
+            self.first_piece_seen = True
+            self.gen_text += piece
+            self.gen_text_raw += piece
+            self._retokenize()
+            return []
+        self.piece_in_segment += 1
+        self.gen_text_raw += piece
+        if self.piece_in_segment == 1 and piece == "" and self.carried_segment:
+            self._finish()
+            return []
+        if self.piece_in_segment <= 2:
+            self.language = detect_language(self.gen_text_raw)
+        self.gen_text += spell_digits(piece, self.language or "english").replace("*", "")
+        self._retokenize()
+        c = self.config
+        if self.text_len >= c.streaming_text_reserved_len - SEGMENT_TEXT_LIMIT_MARGIN:
+            mark = sentence_end(piece)
+            if mark:
+                cut = self.gen_text.rfind(mark)
+                self.text_left = self.gen_text[cut + 1:]
+                self.gen_text = self.gen_text[: cut + 1]
+                self._retokenize()
+                self.pending_new_segment = True
+                return self._start_tail()
+        chunk = c.streaming_text_chunk_size
+        if self.text_len >= (self.chunk_index + 1) * chunk:
+            if self.chunk_index == 0:
+                begin, end = 0, chunk + c.text_start
+            else:
+                begin = self.chunk_index * chunk + c.text_start
+                end = min((self.chunk_index + 1) * chunk + c.text_start, c.condition_length - 1)
+            work = self._prefill(begin, end)
+            self.chunk_index += 1
+            self._start_call()
+            return work
+        return []
+
+    def end_of_text(self) -> list[object]:
+        """The text source is exhausted: prefill what is left and generate to the end."""
+        assert self.phase is Phase.WAITING_TEXT
+        if self.carried_segment and self.piece_in_segment == 0:
+            self._finish()  # upstream: a carried segment that gets no new text ends the stream
+            return []
+        return self._start_tail()
+
+    def _prefill(self, begin: int, end: int) -> list[object]:
+        if end <= begin:
+            return []
+        layout = self._layout_ids()
+        return [TextPrefill(layout[begin:end], begin, with_speaker=begin == 0)]
+
+    def _start_tail(self) -> list[object]:
+        c = self.config
+        self.in_tail = True
+        begin = 0 if self.chunk_index == 0 else self.chunk_index * c.streaming_text_chunk_size + c.text_start
+        end = min(self.text_len + c.text_start + 1, c.condition_length - 1)
+        work = self._prefill(begin, end)
+        self._start_call()
+        return work
+
+    def _start_call(self) -> None:
+        self.phase = Phase.GENERATING
+        self.call_frames = 0
+
+    # ---- audio side ------------------------------------------------------------------------
+
+    def next_step(self) -> AudioStep:
+        bos = self.cache_len == self.config.audio_bos_position
+        return AudioStep(position=self.cache_len, bos=bos,
+                         frame=None if bos else self.segment_frames[-1],
+                         text_len=self.text_len,
+                         eos_allowed=(not self.ignore_eos) and self.call_frames >= MIN_FRAMES_PER_CALL,
+                         apply_warpers=not bos)
+
+    def position_capacity_left(self) -> int:
+        return self.max_positions - 1 - self.cache_len
+
+    def on_frame(self, codes: list[int]) -> list[object]:
+        """Record the frame sampled by an audio step; returns decode jobs and follow-up work."""
+        self.cache_len += 1
+        self.call_frames += 1
+        finished = (not self.ignore_eos) and self.config.eos_code in codes
+        if not finished:
+            self.segment_frames.append(codes)
+            self.frames_total += 1
+        limit_hit = self.total_frame_limit is not None and self.frames_total >= self.total_frame_limit
+        out_of_room = self.position_capacity_left() <= 0
+        call_over = finished or limit_hit or out_of_room or self.call_frames >= self.chunk_frames
+        if not call_over:
+            return []
+        jobs = self._decode_job(last=finished or limit_hit or out_of_room)
+        if finished or limit_hit:
+            if not self.in_tail or limit_hit:
+                self.stopped = limit_hit
+                return jobs + self._end_segment(allow_next=not limit_hit and self.in_tail)
+            return jobs + self._end_segment(allow_next=True)
+        if self.in_tail and (len(self.segment_frames) > self.max_segment_frames or out_of_room):
+            self.stopped = True
+            return jobs + self._end_segment(allow_next=False)
+        if out_of_room:
+            self.stopped = True
+            return jobs + self._end_segment(allow_next=False)
+        if self.in_tail:
+            self._start_call()
+            return jobs
+        self.phase = Phase.WAITING_TEXT
+        return jobs
+
+    def _decode_job(self, last: bool) -> list[object]:
+        self.call_lengths.append(len(self.segment_frames))
+        start = max(self.decoded_upto - DECODE_CONTEXT_FRAMES, 0)
+        frames = self.segment_frames[start:]
+        segment_start = self.segment_started_fresh
+        self.segment_started_fresh = False
+        self.decoded_upto = len(self.segment_frames)
+        if not frames:
+            return [DecodeJob([], segment_start, last)]
+        return [DecodeJob(frames, segment_start, last)]
+
+    def _end_segment(self, allow_next: bool) -> list[object]:
+        """The segment's audio is complete: start a carried segment or finish the stream."""
+        self.finished_segments.append(self.segment_frames)
+        if not (allow_next and self.pending_new_segment and not self.stopped):
+            self._finish()
+            return []
+        return self._start_carried_segment()
+
+    def _finish(self) -> None:
+        self.phase = Phase.DONE
+
+    def _start_carried_segment(self) -> list[object]:
+        c = self.config
+        carried_text = self.text_ids[-CARRY_TEXT_TOKENS:]
+        carried_frames = self.segment_frames[-CARRY_FRAMES:]
+        text = self.decode_tokens(carried_text)
+        self.gen_text = text + self.text_left
+        self.gen_text_raw = self.gen_text
+        self.text_left = ""
+        self.text_ids = list(carried_text)
+        self.pending_new_segment = False
+        self.in_tail = False
+        self.carried_segment = True
+        self.piece_in_segment = 0
+        self.chunk_index = len(carried_text) // c.streaming_text_chunk_size
+        self.segment_frames = [list(f) for f in carried_frames]
+        self.finished_segments[-1] = list(self.finished_segments[-1])
+        self.decoded_upto = len(self.segment_frames)
+        self.segment_started_fresh = True
+        self.cache_len = c.audio_bos_position + len(carried_frames)
+        self.phase = Phase.WAITING_TEXT
+        work: list[object] = ["reset_cache"]
+        work += [TextPrefill([self.stts_id, c.spk_emb_token_id] + list(carried_text), 0, True)]
+        if carried_frames:
+            work.append(CarryPrefill(carried_frames))
+        return work
+
+
+def release_start(past: int, config: TTSConfig) -> int:
+    """First text position still hidden from an audio query whose cache holds ``past`` positions."""
+    chunks = math.ceil((past - config.streaming_text_reserved_len) / config.streaming_audio_chunk_size)
+    return min(chunks * config.streaming_text_chunk_size, config.streaming_text_reserved_len) + config.text_start

@@ -1,0 +1,115 @@
+"""Text handling of the MiniCPM-o speech path (MINICPMO.md sections 3, 5, 6).
+
+Pure functions with no model state: prompt building, cutting text into the pieces an LLM would
+stream, digit normalisation, sentence ends and the TTS text layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Sequence
+
+GENERATION_PROMPT = "<|im_end|>\n<|im_start|>assistant\n<|spk_bos|><|spk|><|spk_eos|><|tts_bos|>"
+READ_INSTRUCTION = "Please read the text below.\n"
+DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant. You can accept audio and text input and "
+                         "output voice and text.")
+TERMINATOR_TOKENS = ("<|im_end|>", "<|endoftext|>")
+TTS_EOS_MARK = "<|tts_eos|>"
+SENTENCE_ENDS = (".", "\u3002", "!", "?", "\uff01", "\uff1f")
+PIECE_TOKENS = 3  # upstream decodes 3 LLM tokens per call; the TTS sees text at these boundaries
+
+_CHINESE_DIGITS = dict(zip("0123456789", "零一二三四五六七八九"))
+_ENGLISH_DIGITS = dict(zip("0123456789",
+                           ("zero", "one", "two", "three", "four", "five", "six", "seven",
+                            "eight", "nine")))
+
+
+def user_turn(text: str, system_prompt: str | None = None) -> str:
+    """The prefill text of a new session: optional system turn, then the user turn."""
+    prefix = f"<|im_start|>system\n{system_prompt}<|im_end|>\n" if system_prompt else ""
+    return f"{prefix}<|im_start|>user\n{text}<|im_end|>\n"
+
+
+def detect_language(text: str) -> str:
+    """``"chinese"`` when CJK characters are at least as many as Latin letters."""
+    cjk = len(re.findall(r"[\u4e00-\u9fff]", text))
+    latin = len(re.findall(r"[a-zA-Z]", text))
+    return "chinese" if cjk >= latin else "english"
+
+
+def spell_digits(text: str, language: str) -> str:
+    """Replace each run of digits, first occurrence first, by its digits spelled one by one."""
+    for number in re.findall(r"\d+", text):
+        if language == "chinese":
+            spoken = "".join(_CHINESE_DIGITS[d] for d in number if d in _CHINESE_DIGITS)
+        else:
+            spoken = " ".join(_ENGLISH_DIGITS[d] for d in number if d in _ENGLISH_DIGITS)
+        text = text.replace(number, spoken, 1)
+    return text
+
+
+def sentence_end(piece: str) -> str:
+    """The first sentence-end character (in upstream's order) found in ``piece``, or ``""``.
+
+    A ``.`` whose first occurrence follows a digit (``1.``) does not count.
+    """
+    for mark in SENTENCE_ENDS:
+        if mark in piece:
+            if mark == ".":
+                index = piece.find(mark)
+                if index > 0 and piece[index - 1].isdigit():
+                    continue
+            return mark
+    return ""
+
+
+def complete_prefix_length(ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+    """How many leading ids decode without a trailing incomplete character (U+FFFD)."""
+    end = len(ids)
+    while end > 0 and decode(ids[:end]).endswith("\ufffd"):
+        end -= 1
+    return end
+
+
+class PieceDecoder:
+    """Turns LLM token ids, a few at a time, into text pieces as upstream streams them.
+
+    Id 0 is dropped, a trailing terminator removed, and ids that end inside a multi-byte
+    character are held back for the next piece.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], terminator_ids: Sequence[int]):
+        self._decode = decode
+        self._terminators = set(terminator_ids)
+        self._held: list[int] = []
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        ids = self._held + list(new_ids)
+        end = complete_prefix_length(ids, self._decode) if ids else 0
+        self._held = ids[end:]
+        body = [i for i in ids[:end] if i != 0]
+        if body and body[-1] in self._terminators:
+            body = body[:-1]
+        return self._decode(body) if body else ""
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character at the very end)."""
+        held, self._held = self._held, []
+        body = [i for i in held if i != 0 and i not in self._terminators]
+        return self._decode(body) if body else ""
+
+
+def cut_into_pieces(ids: Sequence[int], decode: Callable[[Sequence[int]], str],
+                    piece_tokens: int = PIECE_TOKENS) -> list[str]:
+    """The pieces an LLM echoing ``ids`` would stream, ``piece_tokens`` tokens at a time."""
+    decoder = PieceDecoder(decode, terminator_ids=())
+    pieces = [decoder.push(ids[i:i + piece_tokens]) for i in range(0, len(ids), piece_tokens)]
+    tail = decoder.flush()
+    if tail:
+        pieces.append(tail)
+    return pieces
+
+
+def has_speakable_text(text: str) -> bool:
+    """True when the text holds at least one letter or digit of any script."""
+    return any(ch.isalnum() for ch in text)

@@ -1,0 +1,94 @@
+"""The batched engine reproduces the upstream MiniCPM-o streaming speech path exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from serve_app.engines.base import SpeechRequest
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine, StreamPlan
+from serve_app.engines.minicpmo.loader import load_speech_model
+from tests.golden.checkpoint import load_expected, load_manifest
+
+GOLDEN_PROMPT = "<|im_start|>user\nHi, how are you?<|im_end|>\n"
+STREAM_CASES = ["stream_short", "stream_medium", "stream_read", "stream_long"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=8,
+                            max_chat_slots=4, tts_max_positions=1024, llm_max_positions=256,
+                            tts_sampling="greedy", keep_traces=True)
+    engine = MiniCPMOEngine(model, options)
+    yield engine
+    engine.close()
+
+
+def golden_plan(case: str, request_id: str) -> StreamPlan:
+    pieces = load_manifest()["cases"][case]["text_pieces"]
+    request = SpeechRequest(request_id=request_id, text="".join(pieces), mode="read")
+    return StreamPlan(request, GOLDEN_PROMPT, list(pieces))
+
+
+async def collect(stream) -> np.ndarray:
+    parts = [chunk.samples async for chunk in stream]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def golden_codes_by_call(schedule) -> list[np.ndarray]:
+    """Cumulative segment codes after each generate call, as the golden files store them."""
+    segments = list(schedule.finished_segments)
+    calls, segment_index, previous = [], 0, 0
+    for length in schedule.call_lengths:
+        if length < previous:
+            segment_index += 1
+        calls.append(np.asarray(segments[segment_index][:length]).reshape(-1, 4))
+        previous = length
+    return calls
+
+
+def expected_codes_by_call(expected) -> list[np.ndarray]:
+    bounds = np.cumsum(expected["call_code_lengths"])[:-1]
+    return np.split(expected["codes"], bounds)
+
+
+def test_speaker_hidden_state_matches_upstream(engine):
+    expected = load_expected("stream_short")
+    tok = engine.model.tokenizer
+    ids = expected["prefill_ids"].tolist() + expected["gen_ids"].tolist()
+    assert tok(GOLDEN_PROMPT, add_special_tokens=False)["input_ids"] == expected["prefill_ids"].tolist()
+    assert engine._gen_prompt_ids == expected["gen_ids"].tolist()
+    from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend
+
+    cache = SlotKVCache(engine.model.config.llm, 1, len(ids), torch.device("cpu"), torch.float32)
+    positions = torch.arange(len(ids))[None]
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    step = StepInputs(torch.tensor([0]), positions, positions, causal_attend(positions, valid, len(ids) + 1))
+    with torch.inference_mode():
+        hidden = engine.model.llm.hidden_states(torch.tensor([ids]), cache, step)
+    spk = ids.index(engine._spk_id)
+    np.testing.assert_allclose(hidden[0, spk].numpy(), expected["spk_hidden"][0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_stream_matches_upstream_codes_and_waveform(engine, case):
+    expected = load_expected(case)
+    request_id = f"golden-{case}"
+
+    async def run():
+        (stream,) = engine.submit_plans([golden_plan(case, request_id)])
+        return await collect(stream)
+
+    wav = asyncio.run(run())
+    schedule = engine.trace(request_id)
+    got_calls = golden_codes_by_call(schedule)
+    want_calls = expected_codes_by_call(expected)
+    assert [len(c) for c in got_calls] == [len(c) for c in want_calls]
+    for index, (got, want) in enumerate(zip(got_calls, want_calls)):
+        assert np.array_equal(got, want), f"codes differ after call {index}"
+    assert wav.shape == expected["wav"].shape
+    np.testing.assert_allclose(wav, expected["wav"], rtol=1e-4, atol=1e-5)
