@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve_app.engines.base import SpeechRequest
+from serve_app.engines.base import InvalidRequestError, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine, StreamPlan
 from serve_app.engines.minicpmo.loader import load_speech_model
 from tests.golden.checkpoint import load_expected, load_manifest
@@ -92,3 +92,68 @@ def test_stream_matches_upstream_codes_and_waveform(engine, case):
         assert np.array_equal(got, want), f"codes differ after call {index}"
     assert wav.shape == expected["wav"].shape
     np.testing.assert_allclose(wav, expected["wav"], rtol=1e-4, atol=1e-5)
+
+
+def test_each_case_is_unchanged_when_batched_with_others(engine):
+    """Mixed modes, staggered arrivals, one stream aborted midway: codes and audio as alone."""
+    alone = {case: load_expected(case) for case in STREAM_CASES}
+
+    async def run():
+        results: dict[str, np.ndarray] = {}
+        stats_before = engine.stats()
+        chat = SpeechRequest(request_id="batch-chat", text="Tell me about rivers.", mode="chat",
+                             sampling=SamplingParams(temperature=0.0, max_new_tokens=30))
+        victim = SpeechRequest(request_id="batch-victim", text="This one is cut off. " * 20, mode="read")
+        (chat_stream, victim_stream) = engine.submit([chat, victim])
+        tasks = {}
+        for index, case in enumerate(STREAM_CASES):
+            (stream,) = engine.submit_plans([golden_plan(case, f"batch-{case}")])
+            tasks[case] = asyncio.create_task(collect(stream))
+            await asyncio.sleep(0.05 * index)  # staggered: later cases join mid-flight
+        first = await victim_stream.__anext__()
+        assert len(first.samples) > 0
+        engine.abort("batch-victim")
+        with pytest.raises(Exception):
+            async for _ in victim_stream:
+                pass
+        chat_audio = await collect(chat_stream)
+        for case, task in tasks.items():
+            results[case] = await task
+        return results, chat_audio, stats_before
+
+    results, chat_audio, stats_before = asyncio.run(run())
+    for case in STREAM_CASES:
+        schedule = engine.trace(f"batch-{case}")
+        got = np.concatenate(golden_codes_by_call(schedule))
+        assert np.array_equal(got, alone[case]["codes"]), case
+        np.testing.assert_allclose(results[case], alone[case]["wav"], rtol=1e-4, atol=1e-5)
+    assert len(chat_audio) > 0
+    stats = engine.stats()
+    assert stats.max_batch_size_seen > 1
+    assert stats.aborted == stats_before.aborted + 1
+    assert stats.active_streams == 0
+
+
+@pytest.mark.parametrize("request_fields, param", [
+    ({"text": "x" * 4097}, "text"),
+    ({"text": "?!... \U0001F600"}, "text"),
+    ({"text": "   "}, "text"),
+    ({"text": "Hello.", "voice": "nobody"}, "voice"),
+    ({"text": "Hello.", "mode": "sing"}, "mode"),
+    ({"text": "Hello.", "mode": "chat", "sampling": SamplingParams(temperature=-1.0)}, "temperature"),
+    ({"text": "Hello.", "mode": "chat", "sampling": SamplingParams(top_p=0.0)}, "top_p"),
+    ({"text": "Hello.", "mode": "chat", "sampling": SamplingParams(top_k=0)}, "top_k"),
+])
+def test_bad_input_is_refused_before_it_takes_a_slot(engine, request_fields, param):
+    before = engine.stats()
+
+    async def run():
+        with pytest.raises(InvalidRequestError) as raised:
+            engine.submit([SpeechRequest(request_id=f"bad-{param}", **request_fields)])
+        return raised.value
+
+    error = asyncio.run(run())
+    assert error.param == param
+    after = engine.stats()
+    assert (after.active_streams, after.queued_streams) == (0, 0)
+    assert after.completed == before.completed and after.failed == before.failed
