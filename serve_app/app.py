@@ -1,0 +1,25 @@
+"""The application graph: ``Ingress -> AudioEncoder -> Synthesizer``, built from typed args.
+
+``serve run serve_config.yaml`` imports :func:`build_app`; per-deployment resources, replicas and
+autoscaling live in the YAML's ``deployments`` section, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.config import AppArgs
+from serve_app.encoder import AudioEncoder
+from serve_app.ingress import Ingress
+from serve_app.synthesizer import Synthesizer
+
+
+def build_app(args: AppArgs | dict[str, Any]) -> Application:
+    """Bind the three deployments; the batching knobs become the synthesizer's user_config."""
+    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    synthesizer = Synthesizer.options(user_config=app_args.batching.model_dump()).bind(
+        app_args.engine, app_args.engine_options)
+    encoder = AudioEncoder.bind(synthesizer)
+    return Ingress.bind(encoder, synthesizer, app_args.api.model_dump())

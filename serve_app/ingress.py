@@ -1,0 +1,289 @@
+"""Ingress deployment: the HTTP API (FastAPI through ``@serve.ingress``).
+
+Routes, auth, validation and the streaming reply. Every check happens here or in the engine's
+``validate`` (reached through the encoder/synthesizer stream's first item) before the engine
+schedules anything, and every error leaves as OpenAI-style JSON.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the routes.
+import asyncio
+import hmac
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve_app import __version__
+from serve_app.audio import CONTENT_TYPES, check_format_rate
+from serve_app.config import ApiConfig
+from serve_app.engines.base import SpeechRequest
+from serve_app.errors import ApiError, error_body, error_response
+from serve_app.messages import EncodeJob, EngineInfo, StreamError
+from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+
+logger = logging.getLogger(__name__)
+
+OPENAI_PCM_RATE_HZ = 24000
+_JSON_MEDIA_TYPE = "application/json"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class RequestGuard:
+    """ASGI middleware: auth, content type and body size, checked before any parsing.
+
+    Reads the whole (bounded) POST body itself, so a chunked body without Content-Length is
+    held to the same limit, then replays it to the app.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        api: ApiConfig = getattr(scope["app"].state, "api_config", None) or ApiConfig()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        try:
+            self._check_auth(api, scope["path"], headers)
+            if scope["method"] == "POST":
+                body = await self._read_body(api, headers, receive)
+                receive = _replay(body)
+        except ApiError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _check_auth(api: ApiConfig, path: str, headers: dict[str, str]) -> None:
+        if api.api_key is None or not path.startswith("/v1/"):
+            return
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api.api_key.encode()):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @staticmethod
+    async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive) -> bytes:
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != _JSON_MEDIA_TYPE:
+            raise ApiError(415, "request body must be JSON (Content-Type: application/json)",
+                           code="unsupported_media_type")
+        too_large = ApiError(413, f"request body is larger than {api.max_body_bytes} bytes",
+                             code="request_too_large")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > api.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            body.extend(message.get("body", b""))
+            if len(body) > api.max_body_bytes:
+                raise too_large
+            if not message.get("more_body", False):
+                break
+        return bytes(body)
+
+
+def _replay(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        # After the body, wait like a real connection until the client goes away.
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, "malformed JSON body", code="invalid_json")
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "missing":
+        return ApiError(400, f"missing required parameter: {param}", param=param,
+                        code="missing_required_parameter")
+    if first.get("type") == "model_attributes_type":
+        return ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return ApiError(400, f"invalid value for {param}: {message}" if param else message,
+                    param=param, code="invalid_value")
+
+
+api_app = FastAPI(
+    title="Speech serving API",
+    version=__version__,
+    description="Streaming text to speech on Ray Serve (OpenAI-compatible /v1/audio/speech).",
+)
+api_app.add_middleware(RequestGuard)
+
+
+@api_app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+@api_app.exception_handler(RequestValidationError)
+async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(_validation_error(exc))
+
+
+@api_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        error = ApiError(404, f"no route for {request.method} {request.url.path}",
+                         code="not_found")
+    elif exc.status_code == 405:
+        error = ApiError(405, f"method {request.method} not allowed on {request.url.path}",
+                         code="method_not_allowed")
+    else:
+        error = ApiError(exc.status_code, str(exc.detail), code="http_error")
+    return error_response(error)
+
+
+@api_app.exception_handler(Exception)
+async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in the ingress")
+    return JSONResponse(error_body(ApiError(500, "internal server error", code="internal_error",
+                                            error_type="server_error")), status_code=500)
+
+
+# Helpers sit above the deployment: serve.deployment pickles the class when it is decorated.
+async def _body(first: bytes, pieces: DeploymentResponseGenerator,
+                request_id: str) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        if first:
+            yield first
+        async for piece in pieces:
+            if isinstance(piece, StreamError):
+                # Headers are gone: cutting the chunked body short is how HTTP says "failed".
+                logger.error("stream %s failed mid-way: %s", request_id, piece.code)
+                raise RuntimeError("stream failed")
+            yield piece
+        finished = True
+    finally:
+        if not finished:
+            pieces.cancel()
+
+
+def _request_id(http: Request) -> str:
+    """Serve's proxy puts its request id (the client's, if sent) in the headers and the reply."""
+    return http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
+@serve.ingress(api_app)
+class Ingress:
+    def __init__(self, encoder: DeploymentHandle, synthesizer: DeploymentHandle,
+                 api: dict[str, Any]) -> None:
+        self._encoder = encoder
+        self._synthesizer = synthesizer
+        self._api = ApiConfig.model_validate(api)
+        api_app.state.api_config = self._api
+        self._info: EngineInfo | None = None
+
+    async def _engine_info(self) -> EngineInfo:
+        if self._info is None:
+            self._info = await self._synthesizer.info.remote()
+        return self._info
+
+    @api_app.get("/healthz", summary="Liveness")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api_app.get("/readyz", summary="Readiness: 200 once the engine is loaded and warmed",
+                 responses={503: {"description": "engine not ready"}})
+    async def readyz(self) -> JSONResponse:
+        try:
+            ready = await asyncio.wait_for(self._synthesizer.ready.remote(),
+                                           timeout=self._api.readiness_timeout_s)
+        except Exception:
+            ready = False
+        if not ready:
+            return error_response(ApiError(503, "engine is not ready yet", code="not_ready",
+                                           headers={"Retry-After": "1"}))
+        return JSONResponse({"status": "ready"})
+
+    @api_app.get("/v1/models", summary="Models (OpenAI format)")
+    async def models(self) -> dict[str, Any]:
+        info = await self._engine_info()
+        ids = [info.model_id, *self._api.model_aliases]
+        return {"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": 0, "owned_by": "serve_app"}
+            for model_id in ids]}
+
+    @api_app.get("/v1/voices", summary="Voices the engine speaks, and accepted aliases")
+    async def voices(self) -> dict[str, Any]:
+        info = await self._engine_info()
+        data = [{"id": voice, "engine_voice": voice} for voice in info.voices]
+        data += [{"id": alias, "engine_voice": "default"} for alias in self._api.voice_aliases]
+        return {"object": "list", "data": data, "modes": info.modes,
+                "native_sample_rate_hz": info.sample_rate_hz}
+
+    @api_app.post("/v1/audio/speech", summary="OpenAI-compatible speech (streams)",
+                  response_class=StreamingResponse)
+    async def openai_speech(self, body: OpenAISpeechBody, http: Request) -> StreamingResponse:
+        info = await self._engine_info()
+        if body.model not in (info.model_id, *self._api.model_aliases):
+            raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
+                           param="model", code="model_not_found")
+        self._check_length(body.input, "input")
+        voice = "default" if body.voice in self._api.voice_aliases else body.voice
+        request = SpeechRequest(request_id=_request_id(http), text=body.input, voice=voice,
+                                speed=body.speed)
+        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ)
+
+    @api_app.post("/v1/speech/stream", summary="Native streaming speech",
+                  response_class=StreamingResponse)
+    async def native_speech(self, body: NativeSpeechBody, http: Request) -> StreamingResponse:
+        self._check_length(body.text, "text")
+        problem = check_format_rate(body.format, body.sample_rate)
+        if problem is not None:
+            raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
+        request = SpeechRequest(request_id=_request_id(http), text=body.text, mode=body.mode,
+                                voice=body.voice, speed=body.speed, seed=body.seed)
+        return await self._stream(request, body.format, body.sample_rate)
+
+    def _check_length(self, text: str, param: str) -> None:
+        if len(text) > self._api.max_input_chars:
+            raise ApiError(400, f"{param} is longer than {self._api.max_input_chars} characters",
+                           param=param, code="string_too_long")
+
+    async def _stream(self, request: SpeechRequest, audio_format: str,
+                      sample_rate_hz: int) -> StreamingResponse:
+        job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz)
+        pieces: DeploymentResponseGenerator = self._encoder.stream.options(stream=True).remote(job)
+        try:
+            # The first item tells rejection (StreamError) from audio, so the status is right.
+            first = await pieces.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except BaseException:
+            pieces.cancel()
+            raise
+        if isinstance(first, StreamError):
+            raise ApiError(first.status_code, first.message, param=first.param, code=first.code,
+                           error_type=first.type)
+        # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
+        headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
+        return StreamingResponse(_body(first, pieces, request.request_id),
+                                 media_type=CONTENT_TYPES[audio_format], headers=headers)

@@ -1,0 +1,185 @@
+"""Synthesizer deployment: owns the engine and admits requests into it in ``@serve.batch`` batches.
+
+Each batch is submitted into the one shared engine, and up to ``max_concurrent_batches`` batches
+stream at once, so a request arriving while others play joins the engine's running batch
+(continuous batching happens inside the engine). The batching knobs come from the app config
+and change live through ``user_config`` (:meth:`Synthesizer.reconfigure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from serve_app.config import BatchingConfig
+from serve_app.engines.base import AudioChunk, InvalidRequestError, SpeechRequest
+from serve_app.engines.registry import create_engine
+from serve_app.messages import EngineInfo, StreamError
+
+logger = logging.getLogger(__name__)
+
+BatchItem = AudioChunk | StreamError
+
+
+def _invalid(exc: InvalidRequestError) -> StreamError:
+    return StreamError(message=exc.message, status_code=exc.status_code, param=exc.param,
+                       code=exc.code)
+
+
+def _failed(exc: BaseException) -> StreamError:
+    # The engine's own message may name internals; the caller gets a generic one.
+    logger.warning("stream ended with %s", type(exc).__name__)
+    return StreamError(message="speech synthesis failed", status_code=500,
+                       code="synthesis_failed", type="server_error")
+
+
+# Fractional CPU by default so the whole app fits two cores; the YAML overrides per profile.
+@serve.deployment(name="Synthesizer", max_ongoing_requests=64, health_check_period_s=10,
+                  ray_actor_options={"num_cpus": 0.5})
+class Synthesizer:
+    """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends."""
+
+    def __init__(self, engine: str, engine_options: dict[str, Any]) -> None:
+        self._engine_name = engine
+        self._engine = create_engine(engine, engine_options)
+        self._engine.warmup()
+        self._batch_sizes: Counter[int] = Counter()
+        self._batching: BatchingConfig | None = None
+        self._batched: Any = None
+        self._apply_batching(BatchingConfig())
+        self._ready = True
+        logger.info("engine %s loaded and warmed", engine)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Apply new batching knobs (``user_config``) without restarting the replica."""
+        self._apply_batching(BatchingConfig.model_validate(user_config))
+
+    def _apply_batching(self, config: BatchingConfig) -> None:
+        previous = self._batching
+        if previous is None or config.max_concurrent_batches != previous.max_concurrent_batches:
+            # serve.batch has no setter for max_concurrent_batches: new requests go to a fresh
+            # queue while batches already admitted finish on the old one.
+            self._batched = serve.batch(
+                max_batch_size=config.max_batch_size,
+                batch_wait_timeout_s=config.batch_wait_timeout_s,
+                max_concurrent_batches=config.max_concurrent_batches,
+            )(self._generate_batch)
+        else:
+            self._batched.set_max_batch_size(config.max_batch_size)
+            self._batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        self._batching = config
+        logger.info("batching: %s", config.model_dump())
+
+    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[BatchItem]:
+        """Stream one request's chunks; a rejected or failed request yields one StreamError."""
+        try:
+            self._engine.validate(request)
+        except InvalidRequestError as exc:
+            yield _invalid(exc)
+            return
+        finished = False
+        try:
+            async for items in self._batched(request):
+                for item in items:
+                    yield item
+                    if isinstance(item, StreamError):
+                        finished = True
+                        return
+            finished = True
+        finally:
+            # Caller gone (cancelled or closed) before the end: free the engine slot now.
+            if not finished:
+                self._engine.abort(request.request_id)
+
+    async def _generate_batch(self, requests: list[SpeechRequest]
+                              ) -> AsyncIterator[list[Any]]:
+        """Batched body: per iteration, per request, the items that arrived since the last one.
+
+        An empty list means "nothing new yet"; ``StopIteration`` marks a finished request.
+        """
+        self._batch_sizes[len(requests)] += 1
+        iterators = self._submit(requests)
+        count = len(requests)
+        pending: list[list[BatchItem]] = [[] for _ in range(count)]
+        done = [False] * count
+        reported = [False] * count
+        arrived = asyncio.Event()
+
+        async def pump(index: int, iterator: AsyncIterator[AudioChunk] | StreamError) -> None:
+            try:
+                if isinstance(iterator, StreamError):
+                    pending[index].append(iterator)
+                    return
+                async for chunk in iterator:
+                    pending[index].append(chunk)
+                    arrived.set()
+            except Exception as exc:  # one failing stream never ends the others
+                pending[index].append(_failed(exc))
+            finally:
+                done[index] = True
+                arrived.set()
+
+        tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+        try:
+            while not all(reported):
+                if not any(pending[i] or (done[i] and not reported[i]) for i in range(count)):
+                    await arrived.wait()
+                arrived.clear()
+                results: list[Any] = []
+                for i in range(count):
+                    if reported[i]:
+                        results.append(StopIteration)
+                    elif pending[i]:
+                        results.append(pending[i])
+                        pending[i] = []
+                    elif done[i]:
+                        reported[i] = True
+                        results.append(StopIteration)
+                    else:
+                        results.append([])
+                yield results
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _submit(self, requests: list[SpeechRequest]
+                ) -> list[AsyncIterator[AudioChunk] | StreamError]:
+        try:
+            return list(self._engine.submit(requests))
+        except InvalidRequestError:
+            # One bad request must not sink its batch: admit the others one by one.
+            admitted: list[AsyncIterator[AudioChunk] | StreamError] = []
+            for request in requests:
+                try:
+                    admitted.extend(self._engine.submit([request]))
+                except InvalidRequestError as exc:
+                    admitted.append(_invalid(exc))
+            return admitted
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(engine=self._engine_name,
+                          model_id=getattr(self._engine, "model_id", self._engine_name),
+                          sample_rate_hz=self._engine.sample_rate_hz,
+                          voices=list(self._engine.voices()), modes=list(self._engine.modes))
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters plus the sizes of the ``@serve.batch`` batches formed so far."""
+        assert self._batching is not None
+        return {
+            "engine": self._engine.stats().as_dict(),
+            "batch_sizes": dict(self._batch_sizes),
+            "max_batch_size_formed": max(self._batch_sizes, default=0),
+            "batching": self._batching.model_dump(),
+        }
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()

@@ -1,0 +1,116 @@
+"""Round trips of the streaming encoder for every format and sample rate."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import soxr
+
+from serve_app.audio import (
+    FORMATS,
+    SAMPLE_RATES_HZ,
+    StreamEncoder,
+    check_format_rate,
+    float_to_pcm16,
+    wav_stream_header,
+)
+
+NATIVE_RATE_HZ = 22050
+MP3_FRAME_SAMPLES = 1152
+# Uneven chunk sizes, as an engine delivers them.
+CHUNK_SIZES = (1000, 7000, 333, 12000, 1717)
+
+PAIRS = [(fmt, rate) for fmt in FORMATS for rate in SAMPLE_RATES_HZ
+         if check_format_rate(fmt, rate) is None]
+
+
+def _signal(seconds: float = 1.5) -> np.ndarray:
+    t = np.arange(int(seconds * NATIVE_RATE_HZ)) / NATIVE_RATE_HZ
+    tone = 0.4 * np.sin(2 * np.pi * 220 * t) + 0.2 * np.sin(2 * np.pi * 1330 * t)
+    return (tone * np.minimum(1.0, t * 8)).astype(np.float32)
+
+
+def _encode(signal: np.ndarray, audio_format: str, rate: int) -> tuple[bytes, list[bytes]]:
+    encoder = StreamEncoder(audio_format, NATIVE_RATE_HZ, rate)
+    pieces, start = [], 0
+    for index in range(1000):
+        size = CHUNK_SIZES[index % len(CHUNK_SIZES)]
+        if start >= len(signal):
+            break
+        pieces.append(encoder.encode(signal[start:start + size]))
+        start += size
+    pieces.append(encoder.finish())
+    return b"".join(pieces), pieces
+
+
+@pytest.mark.parametrize(("audio_format", "rate"), PAIRS)
+def test_round_trip_duration_and_rate(audio_format: str, rate: int, decode) -> None:
+    signal = _signal()
+    data, _ = _encode(signal, audio_format, rate)
+    samples, decoded_rate = decode(data, audio_format, rate)
+    expected = len(signal) * rate / NATIVE_RATE_HZ
+    assert decoded_rate == rate
+    if audio_format == "mp3":
+        # No gapless tag in a stream: the encoder's delay and last-frame padding remain.
+        assert expected <= len(samples) <= expected + 3 * MP3_FRAME_SAMPLES
+    else:
+        assert abs(len(samples) - expected) <= 2
+    assert np.sqrt(np.mean(samples ** 2)) > 0.1
+
+
+@pytest.mark.parametrize("rate", SAMPLE_RATES_HZ)
+@pytest.mark.parametrize("audio_format", ["pcm", "wav", "flac"])
+def test_lossless_formats_equal_the_resampled_signal(audio_format: str, rate: int,
+                                                     decode) -> None:
+    signal = _signal()
+    data, _ = _encode(signal, audio_format, rate)
+    samples, _ = decode(data, audio_format, rate)
+    reference = signal if rate == NATIVE_RATE_HZ else soxr.resample(
+        signal, NATIVE_RATE_HZ, rate, quality="HQ")
+    size = min(len(samples), len(reference))
+    # int16 quantisation plus chunked-vs-whole resampling.
+    assert np.max(np.abs(samples[:size] - reference[:size])) < 2e-3
+
+
+def test_native_rate_pcm_is_bit_exact() -> None:
+    signal = _signal()
+    data, _ = _encode(signal, "pcm", NATIVE_RATE_HZ)
+    assert data == float_to_pcm16(signal).tobytes()
+
+
+@pytest.mark.parametrize("audio_format", ["wav", "pcm", "mp3"])
+def test_first_chunk_yields_bytes_at_once(audio_format: str) -> None:
+    encoder = StreamEncoder(audio_format, NATIVE_RATE_HZ, 24000)
+    assert len(encoder.encode(_signal(0.5))) > 0
+
+
+def test_wav_header_is_streamable() -> None:
+    header = wav_stream_header(16000)
+    assert len(header) == 44
+    assert header[:4] == b"RIFF" and header[8:12] == b"WAVE"
+    assert struct.unpack("<I", header[4:8])[0] == 0xFFFFFFFF
+    assert struct.unpack("<I", header[40:44])[0] == 0xFFFFFFFF
+    assert struct.unpack("<I", header[24:28])[0] == 16000
+
+
+@pytest.mark.parametrize("rate", [22050, 44100])
+def test_opus_rejects_rates_it_cannot_encode(rate: int) -> None:
+    assert "opus" in (check_format_rate("opus", rate) or "")
+    with pytest.raises(ValueError):
+        StreamEncoder("opus", NATIVE_RATE_HZ, rate)
+
+
+def test_unknown_format_and_rate_are_rejected() -> None:
+    assert check_format_rate("aac", 24000) is not None
+    assert check_format_rate("wav", 12345) is not None
+
+
+def test_empty_stream_is_still_a_valid_file(decode) -> None:
+    for audio_format in FORMATS:
+        encoder = StreamEncoder(audio_format, NATIVE_RATE_HZ, 24000)
+        data = encoder.encode(np.zeros(0, np.float32)) + encoder.finish()
+        if audio_format != "pcm":
+            samples, _ = decode(data, audio_format, 24000)
+            assert len(samples) <= 3 * MP3_FRAME_SAMPLES
