@@ -16,6 +16,7 @@ from serve_app.audio import (
     float_to_pcm16,
     wav_stream_header,
 )
+from tests.audio.decoding import decode_audio as decode
 
 NATIVE_RATE_HZ = 22050
 MP3_FRAME_SAMPLES = 1152
@@ -46,7 +47,7 @@ def _encode(signal: np.ndarray, audio_format: str, rate: int) -> tuple[bytes, li
 
 
 @pytest.mark.parametrize(("audio_format", "rate"), PAIRS)
-def test_round_trip_duration_and_rate(audio_format: str, rate: int, decode) -> None:
+def test_round_trip_duration_and_rate(audio_format: str, rate: int) -> None:
     signal = _signal()
     data, _ = _encode(signal, audio_format, rate)
     samples, decoded_rate = decode(data, audio_format, rate)
@@ -63,7 +64,7 @@ def test_round_trip_duration_and_rate(audio_format: str, rate: int, decode) -> N
 @pytest.mark.parametrize("rate", SAMPLE_RATES_HZ)
 @pytest.mark.parametrize("audio_format", ["pcm", "wav", "flac"])
 def test_lossless_formats_equal_the_resampled_signal(audio_format: str, rate: int,
-                                                     decode) -> None:
+                                                     ) -> None:
     signal = _signal()
     data, _ = _encode(signal, audio_format, rate)
     samples, _ = decode(data, audio_format, rate)
@@ -107,7 +108,7 @@ def test_unknown_format_and_rate_are_rejected() -> None:
     assert check_format_rate("wav", 12345) is not None
 
 
-def test_empty_stream_is_still_a_valid_file(decode) -> None:
+def test_empty_stream_is_still_a_valid_file() -> None:
     for audio_format in FORMATS:
         encoder = StreamEncoder(audio_format, NATIVE_RATE_HZ, 24000)
         data = encoder.encode(np.zeros(0, np.float32)) + encoder.finish()
