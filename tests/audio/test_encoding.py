@@ -63,8 +63,7 @@ def test_round_trip_duration_and_rate(audio_format: str, rate: int) -> None:
 
 @pytest.mark.parametrize("rate", SAMPLE_RATES_HZ)
 @pytest.mark.parametrize("audio_format", ["pcm", "wav", "flac"])
-def test_lossless_formats_equal_the_resampled_signal(audio_format: str, rate: int,
-                                                     ) -> None:
+def test_lossless_formats_equal_the_resampled_signal(audio_format: str, rate: int) -> None:
     signal = _signal()
     data, _ = _encode(signal, audio_format, rate)
     samples, _ = decode(data, audio_format, rate)
