@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ VOCOS_DECODE_PREFIXES = ("backbone.", "head.")
 
 
 def _is_decode_key(relative_key: str, prefixes: Sequence[str]) -> bool:
+    """A prefix ending in "." matches a subtree; any other names one exact key."""
     return any(relative_key == p if not p.endswith(".") else relative_key.startswith(p)
                for p in prefixes)
 
@@ -206,14 +208,15 @@ class ISTFT(nn.Module):
         window = self.window.to(torch.float32)
         frames = torch.fft.irfft(spec, self.n_fft, dim=1, norm="backward") * window[None, :, None]
         audio = self._overlap_add(frames)
-        envelope = self._overlap_add(window.square()[None, :, None].expand(1, -1, spec.shape[-1]))[0]
+        squared_windows = window.square()[None, :, None].expand(1, -1, spec.shape[-1])
+        envelope = self._overlap_add(squared_windows)[0]
         trim = (self.n_fft - self.hop_samples) // 2
         end = audio.shape[-1] - trim
         return audio[:, trim:end] / envelope[trim:end]
 
 
 class ISTFTHead(nn.Module):
-    """Linear 512 -> (513 log-magnitudes, 513 phases), then :class:`ISTFT`; runs the ISTFT in fp32."""
+    """Linear 512 -> 513 log-magnitudes + 513 phases, then :class:`ISTFT` (always in fp32)."""
 
     def __init__(self, dim: int = 512, n_fft: int = 1024, hop_samples: int = HOP_SAMPLES) -> None:
         super().__init__()
@@ -229,7 +232,7 @@ class ISTFTHead(nn.Module):
 
 
 class Vocos(nn.Module):
-    """Vocos mel vocoder (decode only); state dict = ``assets/Vocos.pt`` minus ``feature_extractor.*``."""
+    """Vocos mel vocoder, decode only: ``assets/Vocos.pt`` minus ``feature_extractor.*``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -273,48 +276,86 @@ def read_vocos_state_dict(vocos_path: str | Path) -> dict[str, torch.Tensor]:
     return {key: state[key] for key in vocos_decode_keys(state)}
 
 
+@contextmanager
+def _ieee_fp32(enabled: bool) -> Iterator[None]:
+    """Run CUDA fp32 convolutions and matmuls without TF32 (cuDNN convolutions default to TF32).
+
+    TF32 puts the mel 5e-5 off upstream's fp32 (rtol 1e-4 fails); full fp32 cost nothing
+    measurable at these sizes on an H200 (latency-bound). The switch is process-wide while on.
+    """
+    if not enabled:
+        yield
+        return
+    if hasattr(torch.backends.cudnn, "conv"):  # torch >= 2.9
+        flags = [(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+                 (torch.backends.cuda.matmul, "fp32_precision", "ieee")]
+    else:
+        flags = [(torch.backends.cudnn, "allow_tf32", False),
+                 (torch.backends.cuda.matmul, "allow_tf32", False)]
+    saved = [getattr(owner, name) for owner, name, _ in flags]
+    for owner, name, value in flags:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name, _), value in zip(flags, saved):
+            setattr(owner, name, value)
+
+
 class SpeechDecoder(nn.Module):
     """DVAE + Vocos: batches of code frames to 24 kHz waveforms.
 
     Runs on its parameters' device and dtype (fp32 unless cast); the ISTFT always runs in fp32.
+    With ``allow_tf32`` False (default) CUDA fp32 convolutions and matmuls skip TF32, so the
+    output matches upstream's fp32 within 1e-6.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allow_tf32: bool = False) -> None:
         super().__init__()
         self.dvae = DVAEDecoder()
         self.vocos = Vocos()
+        self.allow_tf32 = allow_tf32
 
     @classmethod
     def from_state_dicts(cls, dvae_state: dict[str, torch.Tensor],
                          vocos_state: dict[str, torch.Tensor],
                          device: str | torch.device = "cpu",
-                         dtype: torch.dtype = torch.float32) -> "SpeechDecoder":
+                         dtype: torch.dtype = torch.float32,
+                         allow_tf32: bool = False) -> "SpeechDecoder":
         """Build from ``tts.dvae.*`` decode tensors (prefix stripped) and Vocos decode tensors."""
-        decoder = cls()
+        decoder = cls(allow_tf32)
         decoder.dvae.load_state_dict(dvae_state)
         decoder.vocos.load_state_dict(vocos_state)
         return decoder.to(device=device, dtype=dtype).eval()
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "SpeechDecoder":
+                        dtype: torch.dtype = torch.float32,
+                        allow_tf32: bool = False) -> "SpeechDecoder":
         """Build from a checkpoint folder in the official layout (reads only the decode tensors)."""
         checkpoint = Path(checkpoint_dir)
         return cls.from_state_dicts(read_dvae_state_dict(checkpoint),
                                     read_vocos_state_dict(checkpoint / "assets" / "Vocos.pt"),
-                                    device, dtype)
+                                    device, dtype, allow_tf32)
 
     @property
     def device(self) -> torch.device:
         return self.dvae.coef.device
 
+    def _precision(self) -> AbstractContextManager[None]:
+        return _ieee_fp32(self.device.type == "cuda" and not self.allow_tf32)
+
+    @torch.inference_mode()
     def codes_to_mel(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes [B, T, 4] -> mel [B, 100, 2T] (parameter dtype)."""
-        return self.dvae(codes.to(device=self.device, dtype=torch.long))
+        with self._precision():
+            return self.dvae(codes.to(device=self.device, dtype=torch.long))
 
+    @torch.inference_mode()
     def mel_to_audio(self, mel: torch.Tensor) -> torch.Tensor:
         """Mel [B, 100, F] -> waveform [B, 256 F] float32."""
-        return self.vocos(mel.to(device=self.device, dtype=self.dvae.coef.dtype))
+        with self._precision():
+            return self.vocos(mel.to(device=self.device, dtype=self.dvae.coef.dtype))
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Waveforms for code sequences: ``codes_list[i]`` [T_i, 4] -> float32 [T_i * 512].
@@ -330,16 +371,15 @@ class SpeechDecoder(nn.Module):
         for index, codes in enumerate(codes_list):
             indices_by_length[codes.shape[0]].append(index)
         waveforms: list[torch.Tensor | None] = [None] * len(codes_list)
-        with torch.inference_mode():
-            for frames, indices in indices_by_length.items():
-                if frames == 0:
-                    for index in indices:
-                        waveforms[index] = torch.zeros(0, device=self.device)
-                    continue
-                batch = torch.stack([codes_list[index] for index in indices])
-                audio = self.mel_to_audio(self.codes_to_mel(batch))
-                for row, index in enumerate(indices):
-                    waveforms[index] = audio[row]
+        for frames, indices in indices_by_length.items():
+            if frames == 0:
+                for index in indices:
+                    waveforms[index] = torch.zeros(0, device=self.device)
+                continue
+            batch = torch.stack([codes_list[index].to(self.device) for index in indices])
+            audio = self.mel_to_audio(self.codes_to_mel(batch))
+            for row, index in enumerate(indices):
+                waveforms[index] = audio[row]
         return waveforms  # type: ignore[return-value]
 
 
@@ -355,7 +395,8 @@ class StreamingAudioJoiner:
       overlap sample j of n is (j + 1) / (n + 1) (n = 2048: (j + 1) / 2049, as upstream).
     - :meth:`push` returns at once every sample that no later piece can change: all but the last
       ``min(2048, samples so far)`` of the joined stream. :meth:`finish` returns that held tail
-      and starts a new segment: the next piece is emitted as is, without crossfade.
+      and starts a new segment: the next piece is emitted as is, without crossfade. (Upstream's
+      first piece of a continuation segment re-decodes the 4 frames before it; they play twice.)
     - :meth:`reset` drops the held tail (abort) and starts a new segment.
 
     The concatenation of everything returned equals upstream's streamed waveform (up to float

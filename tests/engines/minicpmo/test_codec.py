@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from serve_app.engines.minicpmo.codec import (
+    CODEBOOK_SIZE,
     CONTEXT_FRAMES,
     OVERLAP_SAMPLES,
     SAMPLES_PER_CODE_FRAME,
@@ -22,6 +23,15 @@ from tests.golden.checkpoint import load_expected
 
 # Upstream carries the last 50 frames of a segment into the next one (``aid_len``).
 CARRIED_FRAMES = 50
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Small convolutions on a busy 2-core box ran 10x slower with 2 spin-waiting OpenMP threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,7 @@ def test_codes_to_mel_and_audio_match_upstream(speech_decoder: SpeechDecoder) ->
 def test_batched_decode_of_mixed_lengths_equals_decoding_alone(
         speech_decoder: SpeechDecoder) -> None:
     generator = torch.Generator().manual_seed(0)
-    codes_list = [torch.randint(0, 625, (frames, 4), generator=generator)
+    codes_list = [torch.randint(0, CODEBOOK_SIZE, (frames, 4), generator=generator)
                   for frames in (9, 4, 9, 1, 4, 9, 0)]
     batched = speech_decoder.decode(codes_list)
     for codes, wav in zip(codes_list, batched):
