@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import itertools
 import logging
 import threading
@@ -31,11 +32,13 @@ import torch
 from ..base import (AudioChunk, EngineOverloadedError, EngineStats, InvalidRequestError,
                     RequestAbortedError, SpeechRequest, EngineError)
 from .codec import StreamingAudioJoiner
+from .decode_graphs import DecodeGraphs
 from .layers import SlotKVCache, StepInputs, causal_attend
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
-from .sampling import (apply_repetition_penalty, sample_or_argmax, top_k_filter, top_p_filter)
-from .schedule import (AudioStep, CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill,
-                       release_start)
+from .audio_step import (ACTIVE, BOS, COUNTER, EOS_ALLOWED, FRAME0, GREEDY, PACKED_COLUMNS, POSITION,
+                         SEED, TEXT_LEN, WARP, AudioStepGraphs, audio_step, audio_visibility)
+from .sampling import apply_repetition_penalty, sample_or_argmax, top_k_filter, top_p_filter
+from .schedule import (CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill)
 from .text import (GENERATION_PROMPT, PIECE_TOKENS, READ_INSTRUCTION, TERMINATOR_TOKENS,
                    TTS_EOS_MARK, PieceDecoder, cut_into_pieces, has_speakable_text, user_turn)
 
@@ -43,8 +46,6 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 24_000
 SAMPLES_PER_FRAME = 512
-TTS_TEMPERATURE = (0.1, 0.3, 0.1, 0.3)
-TTS_MIN_KEEP = 3
 MAX_TEXT_CHARS = 4096
 
 
@@ -66,6 +67,9 @@ class EngineOptions:
     max_segment_frames: int = 2048
     voices: tuple[str, ...] = ("default",)
     keep_traces: bool = False  # tests: keep each finished stream's codes (see ``trace``)
+    cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
+    profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
+    llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -142,7 +146,7 @@ class MiniCPMOEngine:
         self._spk_id = tok.convert_tokens_to_ids("<|spk|>")
         self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
         self._gen_prompt_ids = tok(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
-        self._free_slots = list(range(options.max_slots))[::-1]
+        self._free_slots = list(range(options.max_slots))  # a heap: lowest slot first
         self._free_llm_slots = list(range(options.max_chat_slots))[::-1]
         self._pending: collections.deque[_Stream] = collections.deque()
         self._active: dict[str, _Stream] = {}
@@ -153,6 +157,16 @@ class MiniCPMOEngine:
         self._stats = EngineStats(max_slots=options.max_slots)
         self._traces: dict[str, SpeechSchedule] = {}
         self._step_counter = itertools.count()
+        self._graphs = (AudioStepGraphs(model.tts, self.tts_cache, self.device)
+                        if options.cuda_graphs and self.device.type == "cuda" else None)
+        self._decoder = model.decoder
+        if self._graphs is not None:
+            self._graphs.capture_all()
+            decode_graphs = DecodeGraphs(model.decoder, options.chunk_frames + 4,
+                                         min(options.max_slots, 64))
+            decode_graphs.capture_all()
+            self._decoder = decode_graphs
+        self._phase_s: dict[str, float] = collections.defaultdict(float)
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
         self._thread.start()
 
@@ -295,26 +309,47 @@ class MiniCPMOEngine:
                 for stream in list(self._active.values()):
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
 
+    def _phase(self, name: str, started: float) -> float:
+        """Account the time since ``started`` to phase ``name`` (synchronising when profiling)."""
+        if not self.options.profile_phases:
+            return started
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self._phase_s[name] += now - started
+        return now
+
+    def phase_seconds(self) -> dict[str, float]:
+        return dict(self._phase_s)
+
     def _step(self) -> None:
         next(self._step_counter)
+        t = time.perf_counter()
         self._apply_aborts()
         self._admit()
+        t = self._phase("admit_prefill", t)
         self._llm_decode()
+        t = self._phase("llm_decode", t)
         prefills: list[tuple[_Stream, object]] = []
         for stream in list(self._active.values()):
             self._advance_text(stream, prefills)
+        t = self._phase("schedule", t)
         self._run_tts_prefills(prefills)
+        t = self._phase("tts_prefill", t)
         generating = [s for s in self._active.values()
                       if s.schedule is not None and s.schedule.phase is Phase.GENERATING]
         decode_jobs: list[tuple[_Stream, DecodeJob]] = []
         follow_up: list[tuple[_Stream, object]] = []
         if generating:
             self._tts_step(generating, decode_jobs, follow_up)
+        t = self._phase("tts_step", t)
         self._run_tts_prefills(follow_up)
+        t = self._phase("tts_prefill", t)
         self._decode(decode_jobs)
         for stream in list(self._active.values()):
             if stream.schedule is not None and stream.schedule.phase is Phase.DONE:
                 self._complete(stream)
+        self._phase("decode_emit", t)
         with self._lock:
             self._stats.steps += 1
             self._stats.last_batch_size = len(generating)
@@ -351,7 +386,7 @@ class MiniCPMOEngine:
                 if stream.plan.pieces is None and not self._free_llm_slots:
                     break
                 self._pending.popleft()
-                stream.slot = self._free_slots.pop()
+                stream.slot = heapq.heappop(self._free_slots)
                 if stream.plan.pieces is None:
                     stream.llm_slot = self._free_llm_slots.pop()
                 admitted.append(stream)
@@ -399,7 +434,7 @@ class MiniCPMOEngine:
         self._active.pop(stream.request_id, None)
         with self._lock:
             if stream.slot >= 0:
-                self._free_slots.append(stream.slot)
+                heapq.heappush(self._free_slots, stream.slot)
             if stream.llm_slot >= 0:
                 self._free_llm_slots.append(stream.llm_slot)
         stream.slot = stream.llm_slot = -1
@@ -541,7 +576,8 @@ class MiniCPMOEngine:
 
     def _llm_decode(self) -> None:
         streams = [s for s in self._active.values()
-                   if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0 and s.schedule is not None]
+                   if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0
+                   and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
         if not streams:
             return
         batch = len(streams)
@@ -627,62 +663,35 @@ class MiniCPMOEngine:
         positions = torch.arange(cfg.audio_bos_position, cfg.audio_bos_position + count,
                                  device=self.device)[None]
         text_len = len(stream.schedule.text_ids)
-        row = self._audio_visibility(torch.tensor([cfg.audio_bos_position + count - 1], device=self.device),
-                                     torch.tensor([cfg.audio_bos_position], device=self.device),
-                                     torch.tensor([text_len], device=self.device))
-        attend = row[:, :, None, :].expand(1, 1, count, row.shape[-1])
+        keys = torch.arange(self.tts_cache.max_positions + 1, device=self.device)
+        row = audio_visibility(keys, torch.tensor([cfg.audio_bos_position + count - 1], device=self.device),
+                               torch.tensor([cfg.audio_bos_position], device=self.device),
+                               torch.tensor([text_len], device=self.device), cfg)
+        attend = row[:, None, None, :].expand(1, 1, count, row.shape[-1])
         rows = torch.tensor([stream.slot], device=self.device)
         tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
 
-    def _audio_visibility(self, limit: torch.Tensor, past: torch.Tensor,
-                          text_len: torch.Tensor) -> torch.Tensor:
-        """[B, 1, T] keys an audio query may see (MINICPMO.md section 8)."""
-        cfg = self.model.config.tts
-        keys = torch.arange(self.tts_cache.max_positions + 1, device=self.device)[None, :]
-        chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
-                           cfg.streaming_audio_chunk_size, rounding_mode="floor")
-        hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,
-                                  max=cfg.streaming_text_reserved_len) + cfg.text_start
-        in_text = keys < cfg.condition_length
-        text_visible = (keys <= (text_len[:, None] + cfg.text_start)) | (keys == cfg.audio_bos_position)
-        visible = (keys <= limit[:, None]) & (~in_text | text_visible)
-        visible &= ~((keys >= hidden_from[:, None]) & (keys <= cfg.audio_bos_position))
-        return visible[:, None, :]
-
     def _tts_step(self, streams: list[_Stream], decode_jobs: list, follow_up: list) -> None:
-        tts = self.model.tts
         cfg = self.model.config.tts
-        steps: list[AudioStep] = [s.schedule.next_step() for s in streams]
-        batch = len(streams)
-        dev = self.device
-        bos_mask = torch.tensor([st.bos for st in steps], device=dev)
-        frames = torch.tensor([st.frame if st.frame is not None else [0] * cfg.num_vq for st in steps],
-                              dtype=torch.long, device=dev)
-        bos_embed = tts.emb_text(torch.full((batch,), cfg.audio_bos_token_id, device=dev))
-        embeds = torch.where(bos_mask[:, None], bos_embed, tts.code_embedding(frames))[:, None]
-        positions = torch.tensor([[st.position] for st in steps], device=dev)
-        text_len = torch.tensor([st.text_len for st in steps], device=dev)
-        attend = self._audio_visibility(positions[:, 0], positions[:, 0], text_len)[:, :, None, :]
-        rows = torch.tensor([s.slot for s in streams], device=dev)
-        hidden = tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
-        logits = tts.code_logits(hidden[:, -1])  # [B, vq, codes]
-        logits = logits / torch.tensor(TTS_TEMPERATURE, device=dev)[None, :, None]
-        flat = logits.reshape(batch * cfg.num_vq, -1)
-        warp = torch.tensor([st.apply_warpers for st in steps], device=dev).repeat_interleave(cfg.num_vq)
-        warped = top_p_filter(flat, torch.full((flat.shape[0], 1), cfg.top_p, device=dev), TTS_MIN_KEEP)
-        warped = top_k_filter(warped, torch.full((flat.shape[0], 1), cfg.top_k, device=dev, dtype=torch.long),
-                              TTS_MIN_KEEP)
-        flat = torch.where(warp[:, None], warped, flat)
-        eos_allowed = torch.tensor([st.eos_allowed for st in steps], device=dev).repeat_interleave(cfg.num_vq)
-        flat[:, cfg.eos_code] = torch.where(eos_allowed, flat[:, cfg.eos_code],
-                                            torch.full_like(flat[:, cfg.eos_code], float("-inf")))
-        greedy = torch.full((flat.shape[0],), self.options.tts_sampling == "greedy", device=dev)
-        seeds = torch.tensor([s.plan.request.seed or 0 for s in streams], device=dev).repeat_interleave(cfg.num_vq)
-        counters = torch.tensor([s.tts_steps for s in streams], device=dev).repeat_interleave(cfg.num_vq)
-        codebook = torch.arange(cfg.num_vq, device=dev).repeat(batch)
-        codes = sample_or_argmax(flat, greedy, seeds + 1_000_003, counters * 8 + codebook)
-        codes = codes.view(batch, cfg.num_vq).tolist()
-        for stream, frame in zip(streams, codes):
+        greedy = int(self.options.tts_sampling == "greedy")
+        packed = torch.zeros(len(streams), PACKED_COLUMNS, dtype=torch.long)
+        for i, stream in enumerate(streams):
+            st = stream.schedule.next_step()
+            row = packed[i]
+            row[ACTIVE], row[BOS] = 1, int(st.bos)
+            if st.frame is not None:
+                row[FRAME0:FRAME0 + cfg.num_vq] = torch.tensor(st.frame)
+            row[POSITION], row[TEXT_LEN] = st.position, st.text_len
+            row[EOS_ALLOWED], row[WARP] = int(st.eos_allowed), int(st.apply_warpers)
+            row[SEED], row[COUNTER] = stream.plan.request.seed or 0, stream.tts_steps
+            row[GREEDY] = greedy
+        slots = [s.slot for s in streams]
+        if self._graphs is not None:
+            codes = self._graphs.run(slots, packed)
+        else:
+            rows = torch.tensor(slots, device=self.device)
+            codes = audio_step(self.model.tts, self.tts_cache, packed.to(self.device), rows, False).cpu()
+        for stream, frame in zip(streams, codes.tolist()):
             stream.tts_steps += 1
             for item in stream.schedule.on_frame(frame):
                 if isinstance(item, DecodeJob):
@@ -694,7 +703,7 @@ class MiniCPMOEngine:
         real = [(s, j) for s, j in jobs if j.frames and not s.done]
         if real:
             codes = [torch.tensor(j.frames, dtype=torch.long, device=self.device) for _, j in real]
-            waves = self.model.decoder.decode(codes)
+            waves = self._decoder.decode(codes)
             for (stream, job), wave in zip(real, waves):
                 audio = wave.float().cpu().numpy()
                 if job.segment_start:
@@ -709,3 +718,4 @@ class MiniCPMOEngine:
                 stream.joiner.reset()
                 if len(tail):
                     self._emit(stream, tail)
+

@@ -65,3 +65,74 @@ def write_checkpoint(out_dir: str | Path, manifest: dict, tokenizer_dir: str | P
         shutil.copy(item, out / item.name)
     shutil.copytree(tts_tokenizer_dir, out / "assets" / "chattts_tokenizer", dirs_exist_ok=True)
     return out
+
+
+# ---- full-size random weights for benchmarks ------------------------------------------------
+
+REAL_LLM_CONFIG = dict(vocab_size=151700, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       rope_theta=1e6, rms_norm_eps=1e-6)
+REAL_TTS_CONFIG = dict(llm_dim=3584, hidden_size=768, intermediate_size=3072,
+                       num_attention_heads=12, num_hidden_layers=20, num_audio_tokens=626,
+                       num_text_tokens=21178, num_vq=4, num_spk_embs=1,
+                       streaming_text_chunk_size=10, streaming_text_reserved_len=300,
+                       streaming_audio_chunk_size=50, top_p=0.7, top_k=20, repetition_penalty=1.0)
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|spk_bos|>", "<|spk|>",
+                  "<|spk_eos|>", "<|tts_bos|>", "<|tts_eos|>", "<unk>")
+
+
+def word_level_tokenizer(vocab_size: int):
+    """A tokenizer covering ``vocab_size`` ids (``w<i>`` words plus the MiniCPM-o specials).
+
+    Benchmarks with random weights sample ids across the whole real vocabulary; this tokenizer
+    decodes every one of them to a word, so the text path downstream does real work.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
+    for index in range(len(vocab), vocab_size):
+        vocab[f"w{index}"] = index
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.device = "cuda",
+                        dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """The real config's shapes with random weights, built straight on ``device``.
+
+    TTS special ids follow ``tts_tokenizer_dir`` (the golden ChatTTS tokenizer) so its text
+    layout is valid; everything else is the official size.
+    """
+    from transformers import BertTokenizerFast
+
+    from .codec import SpeechDecoder
+    from .loader import LoadedModel
+    from .modeling import ModelConfig, QwenLM, SpeechTokenModel
+
+    tts_tokenizer = BertTokenizerFast.from_pretrained(str(tts_tokenizer_dir))
+    tts = dict(REAL_TTS_CONFIG, spk_emb_token_id=tts_tokenizer.convert_tokens_to_ids("[spk_emb]"),
+               audio_bos_token_id=tts_tokenizer.convert_tokens_to_ids("[Ptts]"),
+               text_eos_token_id=tts_tokenizer.convert_tokens_to_ids("[Etts]"))
+    config = ModelConfig.from_dict(dict(REAL_LLM_CONFIG, tts_config=tts))
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        llm = QwenLM(config.llm, config.vocab_size)
+        tts_model = SpeechTokenModel(config.tts, config.tts_shape())
+    for module in (llm, tts_model):
+        module.to_empty(device=device)
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.data.fill_(1.0)
+            elif name.endswith("bias"):
+                param.data.zero_()
+            else:
+                param.data.normal_(0.0, 0.02)
+        module.to(dtype).eval()
+    decoder = SpeechDecoder().to(device).eval()
+    return LoadedModel(config, llm, tts_model, decoder, word_level_tokenizer(config.vocab_size),
+                       tts_tokenizer, Path(tts_tokenizer_dir))

@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Benchmark the MiniCPM-o engine on a GPU with full-size random weights (no Ray).
+
+Lengths are fixed by the engine's length controls (random weights never stop by themselves):
+every request speaks ``--audio-seconds`` of audio; chat requests first decode ``--chat-tokens``
+LLM tokens. For each mode and concurrency it measures per request the time to first audio
+(TTFB), the real-time factor, every chunk's arrival, and whether a player that starts at the
+first byte ever runs dry; as a burst and as Poisson arrivals that hold that many streams
+active. ``--baseline sequential-eager`` adds the upstream way in the same run: one request at a
+time, no batching. Results go to ``docs/benchmarks/engine-<gpu>.json`` and a PNG.
+
+Example: python scripts/bench_engine.py --modes read chat --concurrency 1 8 32 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
+from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
+
+SAMPLE_RATE = 24_000
+FRAMES_PER_SECOND = 46.875
+READ_TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving. "
+             "The weather today is sunny and warm, and I hope you have a wonderful day ahead. ")
+CHAT_TEXT = "Tell me something nice about the sea."
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def stream_is_realtime(arrivals: list[tuple[float, int]]) -> bool:
+    """A player starting at the first byte never runs dry: each chunk arrives before the audio
+    already received has played out."""
+    if not arrivals:
+        return False
+    start = arrivals[0][0]
+    buffered_s = 0.0
+    for at, samples in arrivals:
+        if at - start > buffered_s + 1e-3:
+            return False
+        buffered_s += samples / SAMPLE_RATE
+    return True
+
+
+def make_request(index: int, mode: str, args: argparse.Namespace) -> SpeechRequest:
+    frames = int(round(args.audio_seconds * FRAMES_PER_SECOND))
+    lengths = LengthControls(ignore_eos=True, audio_frames=frames,
+                             llm_tokens=args.chat_tokens if mode == "chat" else None)
+    return SpeechRequest(request_id=f"{mode}-{index}-{time.monotonic_ns()}",
+                         text=READ_TEXT if mode == "read" else CHAT_TEXT, mode=mode,
+                         seed=index, sampling=SamplingParams(temperature=0.7, max_new_tokens=4096),
+                         lengths=lengths)
+
+
+async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float) -> dict:
+    await asyncio.sleep(delay_s)
+    submitted = time.perf_counter()
+    (stream,) = engine.submit([request])
+    arrivals: list[tuple[float, int]] = []
+    async for chunk in stream:
+        if len(chunk.samples):
+            arrivals.append((time.perf_counter(), len(chunk.samples)))
+    done = time.perf_counter()
+    audio_s = sum(n for _, n in arrivals) / SAMPLE_RATE
+    return {"ttfb_ms": (arrivals[0][0] - submitted) * 1000 if arrivals else None,
+            "total_s": done - submitted, "audio_s": audio_s,
+            "rtf": (done - submitted) / audio_s if audio_s else None,
+            "realtime": stream_is_realtime(arrivals), "chunks": len(arrivals),
+            "chunk_times_ms": [round((t - submitted) * 1000, 1) for t, _ in arrivals]}
+
+
+async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival: str,
+                    args: argparse.Namespace) -> dict:
+    rng = random.Random(concurrency)
+    if arrival == "burst":
+        delays = [0.0] * concurrency
+        total = concurrency
+    else:  # Poisson arrivals whose rate keeps about `concurrency` streams active
+        total = max(concurrency * 2, 4)
+        mean_duration = args.audio_seconds * 1.05
+        rate = concurrency / mean_duration
+        t, delays = 0.0, []
+        for _ in range(total):
+            delays.append(t)
+            t += rng.expovariate(rate)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    steps_before = engine.stats().steps
+    phases_before = engine.phase_seconds()
+    started = time.perf_counter()
+    results = await asyncio.gather(*(run_one(engine, make_request(i, mode, args), d)
+                                     for i, d in enumerate(delays)))
+    wall = time.perf_counter() - started
+    steps = engine.stats().steps - steps_before
+    phases = {k: round((v - phases_before.get(k, 0.0)) * 1000 / max(engine.stats().steps - steps_before, 1), 3)
+              for k, v in engine.phase_seconds().items()}
+    ttfbs = [r["ttfb_ms"] for r in results if r["ttfb_ms"] is not None]
+    rtfs = [r["rtf"] for r in results if r["rtf"] is not None]
+    realtime_share = sum(r["realtime"] for r in results) / len(results)
+    summary = {
+        "mode": mode, "arrival": arrival, "concurrency": concurrency, "requests": total,
+        "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
+        "ttfb_ms_p99": percentile(ttfbs, 99), "rtf_p50": percentile(rtfs, 50),
+        "realtime_share": realtime_share,
+        "audio_seconds_per_second": sum(r["audio_s"] for r in results) / wall,
+        "wall_s": wall, "engine_steps": steps, "ms_per_step": wall * 1000 / max(steps, 1),
+        "gpu_memory_gb": (torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
+        "phase_ms_per_step": phases,
+    }
+    summary["ok"] = bool(realtime_share >= 0.99 and (summary["ttfb_ms_p99"] or 1e9) <= 500)
+    summary["sample_request"] = results[0]
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample_request"}), flush=True)
+    return summary
+
+
+def tts_bytes_per_step(model, batch: int, positions: int) -> float:
+    weights = sum(p.numel() * p.element_size() for n, p in model.tts.named_parameters()
+                  if not n.startswith(("emb_text", "emb_code")))
+    shape = model.config.tts_shape()
+    kv = batch * shape.num_layers * 2 * shape.num_kv_heads * (positions + 1) * shape.head_dim * 2
+    return float(weights + kv)
+
+
+def git_commit() -> str:
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
+    options = EngineOptions(device=args.device, dtype=args.dtype, max_slots=max_slots,
+                            max_chat_slots=min(max_slots, args.max_chat_slots),
+                            max_queued=4096, tts_max_positions=args.tts_positions,
+                            llm_max_positions=args.llm_positions, tts_sampling="sample",
+                            cuda_graphs=not args.no_graphs and max_slots > 1,
+                            profile_phases=True)
+    return MiniCPMOEngine(model, options)
+
+
+async def measure_engine(engine: MiniCPMOEngine, args, modes, levels) -> dict:
+    sweep = []
+    for mode in modes:
+        await run_level(engine, mode, 1, "burst", args)  # warm-up
+        for concurrency in levels[mode]:
+            for arrival in args.arrivals:
+                result = await run_level(engine, mode, concurrency, arrival, args)
+                sweep.append(result)
+                if result["ttfb_ms_p99"] and result["ttfb_ms_p99"] > args.stop_after_ttfb_ms:
+                    break
+            if sweep[-1]["ttfb_ms_p99"] and sweep[-1]["ttfb_ms_p99"] > args.stop_after_ttfb_ms:
+                break
+    return {"sweep": sweep}
+
+
+def headline(sweep: list[dict], mode: str) -> tuple[dict, int]:
+    singles = [r for r in sweep if r["mode"] == mode and r["concurrency"] == 1]
+    single = singles[0] if singles else {}
+    ok = [r["concurrency"] for r in sweep if r["mode"] == mode and r["arrival"] == "poisson" and r["ok"]]
+    return ({"ttfb_ms_p50": single.get("ttfb_ms_p50"), "rtf": single.get("rtf_p50")},
+            max(ok) if ok else 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--modes", nargs="+", default=["read", "chat"])
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64, 128, 256, 512])
+    parser.add_argument("--chat-concurrency", nargs="+", type=int, default=None)
+    parser.add_argument("--arrivals", nargs="+", default=["burst", "poisson"])
+    parser.add_argument("--audio-seconds", type=float, default=10.0)
+    parser.add_argument("--chat-tokens", type=int, default=40)
+    parser.add_argument("--tts-positions", type=int, default=1024)
+    parser.add_argument("--llm-positions", type=int, default=512)
+    parser.add_argument("--max-chat-slots", type=int, default=256)
+    parser.add_argument("--stop-after-ttfb-ms", type=float, default=3000.0)
+    parser.add_argument("--baseline", choices=["none", "sequential-eager"], default="sequential-eager")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--checkpoint", default=None,
+                        help="load this checkpoint (official layout) instead of random weights")
+    parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
+    args = parser.parse_args()
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu_tag = gpu.split()[1].lower() if torch.cuda.is_available() and len(gpu.split()) > 1 else "cpu"
+    dtype = getattr(torch, args.dtype)
+    started = time.perf_counter()
+    if args.checkpoint:
+        from serve_app.engines.minicpmo.loader import load_speech_model
+        model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype)
+    else:
+        model = random_speech_model(args.tts_tokenizer, args.device, dtype)
+    load_s = time.perf_counter() - started
+    print(f"model built in {load_s:.1f} s on {gpu}", flush=True)
+    levels = {"read": args.concurrency, "chat": args.chat_concurrency or args.concurrency}
+    result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "git_commit": git_commit(), "dtype": args.dtype, "weights": args.checkpoint or "random, full size",
+              "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
+              "model_build_s": load_s}
+
+    if args.baseline == "sequential-eager":
+        engine = build_engine(model, argparse.Namespace(**{**vars(args), "no_graphs": True}), 1)
+        base = {}
+        for mode in args.modes:
+            asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
+            runs = [asyncio.run(run_level(engine, mode, 1, "burst", args)) for _ in range(3)]
+            single = {"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
+                      "rtf": statistics.median(r["rtf_p50"] for r in runs)}
+            single["max_realtime_streams"] = 1 if all(r["ok"] for r in runs) else 0
+            base[mode] = single
+        engine.close()
+        result["baseline_sequential_eager"] = base
+
+    max_slots = max(max(levels[m]) for m in args.modes)
+    engine = build_engine(model, args, max_slots)
+    measured = asyncio.run(measure_engine(engine, args, args.modes, levels))
+    engine.close()
+    sweep = measured["sweep"]
+    result["sweep"] = sweep
+    result["single_stream"] = {}
+    result["max_realtime_streams"] = {}
+    for mode in args.modes:
+        result["single_stream"][mode], result["max_realtime_streams"][mode] = headline(sweep, mode)
+    result["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    peak_bw = {"h100": 3.35e12, "h200": 4.8e12}.get(gpu_tag)
+    for row in sweep:
+        bytes_step = tts_bytes_per_step(model, row["concurrency"], args.tts_positions)
+        row["tts_bytes_per_step_est"] = bytes_step
+        row["achieved_bandwidth_tb_s_est"] = bytes_step / (row["ms_per_step"] / 1000) / 1e12
+        row["peak_bandwidth_fraction_est"] = (row["achieved_bandwidth_tb_s_est"] * 1e12 / peak_bw) if peak_bw else None
+    if "baseline_sequential_eager" in result:
+        ratios = {}
+        for mode in args.modes:
+            b = result["baseline_sequential_eager"][mode]
+            s = result["single_stream"][mode]
+            ratios[mode] = {"ttfb_speedup": (b["ttfb_ms_p50"] / s["ttfb_ms_p50"]) if s["ttfb_ms_p50"] else None,
+                            "realtime_streams_ratio": (result["max_realtime_streams"][mode] / b["max_realtime_streams"])
+                            if b["max_realtime_streams"] else None}
+        result["versus_baseline"] = ratios
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"engine-{gpu_tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("gpu", "single_stream", "max_realtime_streams")
+                      if k in result}, indent=2))
+    print(json.dumps(result.get("baseline_sequential_eager"), indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no plot", flush=True)
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in ("read", "chat"):
+        rows = [r for r in result["sweep"] if r["mode"] == mode and r["arrival"] == "poisson"]
+        if not rows:
+            continue
+        xs = [r["concurrency"] for r in rows]
+        for q in ("p50", "p99"):
+            left.plot(xs, [r[f"ttfb_ms_{q}"] for r in rows], marker="o", label=f"{mode} {q}")
+        right.plot(xs, [r["realtime_share"] * r["concurrency"] for r in rows], marker="o", label=mode)
+    left.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="TTFB (ms)",
+             title=f"TTFB, Poisson arrivals ({result['gpu']})")
+    left.axhline(500, color="grey", linestyle="--")
+    right.set(xscale="log", xlabel="concurrent streams", ylabel="real-time streams",
+              title="streams that never ran dry")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""One TTS audio step for a batch of streams, as a pure tensor function.
+
+Everything from the packed per-row inputs to the sampled codes happens here (embedding,
+attention mask, decoder, heads, temperature, top-p/top-k, end-of-audio rule, sampling), so the
+whole step replays as one CUDA graph and the host only copies a small int tensor in and the
+codes out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers import SlotKVCache, StepInputs
+from .modeling import SpeechTokenModel, TTSConfig
+from .sampling import sample_or_argmax, top_k_filter, top_p_filter
+
+TTS_TEMPERATURE = (0.1, 0.3, 0.1, 0.3)
+TTS_MIN_KEEP = 3
+
+# Columns of the packed int64 input, one row per stream.
+ACTIVE, BOS, FRAME0, POSITION, TEXT_LEN, EOS_ALLOWED, WARP, SEED, COUNTER, GREEDY = (
+    0, 1, 2, 6, 7, 8, 9, 10, 11, 12)
+PACKED_COLUMNS = 13
+
+
+def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor,
+                     text_len: torch.Tensor, cfg: TTSConfig) -> torch.Tensor:
+    """[B, T] keys an audio query may see (MINICPMO.md section 8).
+
+    ``limit``: last visible position (causal); ``past``: cache length that decides how much
+    reserved text is released; ``text_len``: L of the text mask.
+    """
+    chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
+                       cfg.streaming_audio_chunk_size, rounding_mode="floor")
+    hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,
+                              max=cfg.streaming_text_reserved_len) + cfg.text_start
+    keys = keys[None, :]
+    in_text = keys < cfg.condition_length
+    text_visible = (keys <= (text_len[:, None] + cfg.text_start)) | (keys == cfg.audio_bos_position)
+    visible = (keys <= limit[:, None]) & (~in_text | text_visible)
+    return visible & ~((keys >= hidden_from[:, None]) & (keys <= cfg.audio_bos_position))
+
+
+def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
+               rows: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """Advance each row one audio frame; returns codes [B, num_vq].
+
+    Inactive rows write to the scratch position and see only key 0; their codes are garbage.
+    """
+    cfg = tts.config
+    batch = packed.shape[0]
+    active = packed[:, ACTIVE].bool()
+    bos = packed[:, BOS].bool()
+    frames = packed[:, FRAME0:FRAME0 + cfg.num_vq]
+    position = packed[:, POSITION]
+    bos_ids = torch.full_like(position, cfg.audio_bos_token_id)
+    embeds = torch.where(bos[:, None], tts.emb_text(bos_ids), tts.code_embedding(frames))[:, None]
+    keys = torch.arange(cache.max_positions + 1, device=packed.device)
+    visible = audio_visibility(keys, position, position, packed[:, TEXT_LEN], cfg)
+    visible = torch.where(active[:, None], visible, keys[None, :] == 0)
+    write = torch.where(active, position, torch.full_like(position, cache.scratch_position))
+    step = StepInputs(rows, position[:, None], write[:, None], visible[:, None, None, :], contiguous)
+    hidden = tts(embeds, cache, step)
+    logits = tts.code_logits(hidden[:, -1])
+    temperature = torch.tensor(TTS_TEMPERATURE, device=packed.device)
+    flat = (logits / temperature[None, :, None]).reshape(batch * cfg.num_vq, -1)
+    rows_per_code = lambda column: packed[:, column].repeat_interleave(cfg.num_vq)  # noqa: E731
+    top_p = torch.full((flat.shape[0], 1), cfg.top_p, device=packed.device)
+    top_k = torch.full((flat.shape[0], 1), cfg.top_k, device=packed.device, dtype=torch.long)
+    warped = top_k_filter(top_p_filter(flat, top_p, TTS_MIN_KEEP), top_k, TTS_MIN_KEEP)
+    flat = torch.where(rows_per_code(WARP).bool()[:, None], warped, flat)
+    eos_allowed = rows_per_code(EOS_ALLOWED).bool()
+    eos_column = flat[:, cfg.eos_code]
+    flat[:, cfg.eos_code] = torch.where(eos_allowed, eos_column, torch.full_like(eos_column, float("-inf")))
+    codebook = torch.arange(cfg.num_vq, device=packed.device).repeat(batch)
+    codes = sample_or_argmax(flat, rows_per_code(GREEDY).bool(), rows_per_code(SEED) + 1_000_003,
+                             rows_per_code(COUNTER) * 8 + codebook)
+    return codes.view(batch, cfg.num_vq)
+
+
+class AudioStepGraphs:
+    """:func:`audio_step` captured as CUDA graphs, one per batch-size bucket.
+
+    A bucket of size ``b`` steps slots ``0..b-1`` (slots are handed out lowest first, so the
+    busy ones stay packed); rows that are not generating this step are inactive padding.
+    """
+
+    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device) -> None:
+        self.tts = tts
+        self.cache = cache
+        slots = cache.num_slots
+        self.packed = torch.zeros(slots, PACKED_COLUMNS, device=device, dtype=torch.long)
+        self.host = torch.zeros(slots, PACKED_COLUMNS, dtype=torch.long).pin_memory()
+        self.rows = torch.arange(slots, device=device)
+        self.buckets = sorted({min(2 ** i, slots) for i in range(16) if 2 ** i < 2 * slots})
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def capture_all(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for bucket in self.buckets:
+                audio_step(self.tts, self.cache, self.packed[:bucket], self.rows[:bucket], True)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = audio_step(self.tts, self.cache, self.packed[:bucket], self.rows[:bucket], True)
+                pool = graph.pool()
+                self.graphs[bucket] = (graph, out)
+        torch.cuda.synchronize()
+
+    def run(self, slots: list[int], packed_rows: torch.Tensor) -> torch.Tensor:
+        """``packed_rows`` [B, columns] (CPU) for streams in ``slots``; returns codes [B, vq] (CPU)."""
+        bucket = next(b for b in self.buckets if b > max(slots))
+        self.host[:bucket].zero_()
+        index = torch.tensor(slots)
+        self.host[index] = packed_rows
+        self.packed[:bucket].copy_(self.host[:bucket], non_blocking=True)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out[index.to(out.device)].cpu()

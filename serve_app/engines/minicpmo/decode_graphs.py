@@ -1,0 +1,63 @@
+"""DVAE + Vocos decode of the common piece length, captured as CUDA graphs per batch bucket.
+
+Almost every generate call decodes 25 new frames with 4 frames of context (29 frames); the
+decode is a few hundred small kernels, so on a GPU it is bound by launches, not math. Other
+lengths fall back to the eager :meth:`SpeechDecoder.decode`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .codec import NUM_CODEBOOKS, SpeechDecoder
+
+
+class DecodeGraphs:
+    def __init__(self, decoder: SpeechDecoder, frames: int, max_batch: int) -> None:
+        self.decoder = decoder
+        self.frames = frames
+        device = decoder.device
+        self.codes = torch.zeros(max_batch, frames, NUM_CODEBOOKS, dtype=torch.long, device=device)
+        self.buckets = sorted({min(2 ** i, max_batch) for i in range(12) if 2 ** i < 2 * max_batch})
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        return self.decoder.mel_to_audio(self.decoder.codes_to_mel(self.codes[:bucket]))
+
+    def capture_all(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for bucket in self.buckets:
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(bucket)
+                pool = graph.pool()
+                self.graphs[bucket] = (graph, out)
+        torch.cuda.synchronize()
+
+    def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Like :meth:`SpeechDecoder.decode`; pieces of the captured length replay a graph."""
+        results: list[torch.Tensor | None] = [None] * len(codes_list)
+        common = [i for i, c in enumerate(codes_list) if c.shape[0] == self.frames]
+        others = [i for i in range(len(codes_list)) if i not in set(common)]
+        largest = self.buckets[-1]
+        for start in range(0, len(common), largest):
+            group = common[start:start + largest]
+            bucket = next(b for b in self.buckets if b >= len(group))
+            self.codes[:len(group)] = torch.stack([codes_list[i] for i in group]).to(self.codes.device)
+            graph, out = self.graphs[bucket]
+            graph.replay()
+            for row, index in enumerate(group):
+                results[index] = out[row].clone()
+        if others:
+            for index, wave in zip(others, self.decoder.decode([codes_list[i] for i in others])):
+                results[index] = wave
+        return results  # type: ignore[return-value]
