@@ -7,7 +7,9 @@ inside ``piper-tts``, so nothing is downloaded at run time. Both are an optional
 Streaming and batching:
 
 - Text is phonemized (espeak-ng) into sentences; a sentence longer than ``max_sentence_phonemes``
-  is cut at word boundaries. Each piece is one :class:`AudioChunk`.
+  is cut at word boundaries, and the first piece can be held shorter (``first_piece_phonemes``,
+  cut at a comma if one fits) for a low time to first audio. Each piece is one
+  :class:`AudioChunk`.
 - One step loop serves every admitted stream (continuous batching): each step takes the next
   piece of up to ``max_batch_size`` streams, round robin, and runs them as one padded ONNX batch
   (``input`` [batch, phonemes] with ``input_lengths``). A stream submitted mid-flight joins at the
@@ -55,6 +57,9 @@ MODEL_ID = "piper-en_US-joe-medium"
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 _WORD_BREAK = " "
+_CLAUSE_BREAK = ","
+_WARMUP_TEXT = ("Warming up the voice with one long sentence that keeps on going for a while, "
+                "so that the first real request of a similar length finds every buffer ready.")
 
 Scales = tuple[float, float, float]
 
@@ -102,7 +107,8 @@ class PiperEngine:
 
     def __init__(self, voice: PiperVoice, has_durations: bool, *, max_batch_size: int = 8,
                  noise_scale: float | None = None, noise_w_scale: float | None = None,
-                 max_sentence_phonemes: int = 400, max_text_chars: int = 4096) -> None:
+                 max_sentence_phonemes: int = 400, first_piece_phonemes: int = 0,
+                 max_text_chars: int = 4096) -> None:
         self._voice = voice
         self._config: PiperConfig = voice.config
         self.sample_rate_hz: int = self._config.sample_rate
@@ -111,6 +117,7 @@ class PiperEngine:
         self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
         self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
         self._max_sentence_phonemes = max_sentence_phonemes
+        self._first_piece_phonemes = first_piece_phonemes
         self._max_text_chars = max_text_chars
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._stats = EngineStats(max_slots=self.max_batch_size)
@@ -194,8 +201,8 @@ class PiperEngine:
         return EngineStats(**self._stats.as_dict())
 
     def warmup(self) -> None:
-        ids = self._phonemize("Warming up the voice.")[0]
-        # Batch 2 initialises the padded path too (kernels, arena sizes).
+        ids = self._phonemize(_WARMUP_TEXT)[0]
+        # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
         self._synthesize_batch([ids] * rows, (self._noise_scale, self._config.length_scale,
                                               self._noise_w_scale))
@@ -329,23 +336,20 @@ class PiperEngine:
         return (self._noise_scale, length_scale, self._noise_w_scale)
 
     def _phonemize(self, text: str) -> list[list[int]]:
-        """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks."""
-        pieces = []
-        for phonemes in self._voice.phonemize(text):
-            for part in self._split_long(phonemes):
-                if part:
-                    pieces.append(self._voice.phonemes_to_ids(part))
-        return pieces
+        """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.
 
-    def _split_long(self, phonemes: list[str]) -> list[list[str]]:
-        limit = self._max_sentence_phonemes
+        The first piece is held to ``first_piece_phonemes`` (cut at a comma if one fits), since
+        the time to first audio is the time to synthesize it.
+        """
         parts: list[list[str]] = []
-        while len(phonemes) > limit:
-            cut = max((i for i in range(limit) if phonemes[i] == _WORD_BREAK), default=limit - 1)
-            parts.append(phonemes[:cut + 1])
-            phonemes = phonemes[cut + 1:]
-        parts.append(phonemes)
-        return parts
+        for index, phonemes in enumerate(self._voice.phonemize(text)):
+            if index == 0 and self._first_piece_phonemes:
+                head, phonemes = _cut(phonemes, self._first_piece_phonemes, prefer=_CLAUSE_BREAK)
+                parts.append(head)
+            while phonemes:
+                head, phonemes = _cut(phonemes, self._max_sentence_phonemes)
+                parts.append(head)
+        return [self._voice.phonemes_to_ids(part) for part in parts if part]
 
     def _synthesize_batch(self, rows: list[list[int]], scales: Scales) -> list[np.ndarray]:
         """One ONNX run over padded rows; each row trimmed to its own length and normalized."""
@@ -363,6 +367,21 @@ class PiperEngine:
         else:
             sizes = np.array([audio.shape[1]])
         return [_normalize(audio[row, :sizes[row]]) for row in range(len(rows))]
+
+
+def _cut(phonemes: list[str], limit: int, prefer: str | None = None
+         ) -> tuple[list[str], list[str]]:
+    """Split off at most ``limit`` phonemes, after a ``prefer`` mark or else a word break."""
+    if len(phonemes) <= limit:
+        return phonemes, []
+    window = range(limit)
+    marks = [i for i in window if phonemes[i] == prefer] if prefer else []
+    if not marks:
+        marks = [i for i in window if phonemes[i] == _WORD_BREAK]
+    cut = (marks[-1] if marks else limit - 1) + 1
+    if cut < len(phonemes) and phonemes[cut] == _WORD_BREAK:
+        cut += 1  # the break after a comma belongs to the piece it ends
+    return phonemes[:cut], phonemes[cut:]
 
 
 def _normalize(audio: np.ndarray) -> np.ndarray:

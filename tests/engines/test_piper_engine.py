@@ -140,3 +140,14 @@ def test_unseeded_requests_still_speak(engine: PiperEngine) -> None:
     [chunks] = asyncio.run(_collect(engine, [_request("noisy")]))
     audio = _audio(chunks)
     assert len(audio) > engine.sample_rate_hz and np.sqrt(np.mean(audio ** 2)) > 0.05
+
+
+def test_first_piece_is_held_short_for_a_fast_first_chunk() -> None:
+    engine = PiperEngine.from_options(first_piece_phonemes=40)
+    text = ("This opening sentence, which is long on purpose, keeps going for quite a while "
+            "before it ends.")
+    pieces = engine._phonemize(text)
+    engine.close()
+    assert len(pieces) >= 2
+    # BOS/EOS and the pads between phonemes roughly double the id count.
+    assert len(pieces[0]) <= 2 * 40 + 2

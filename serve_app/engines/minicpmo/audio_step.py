@@ -62,7 +62,9 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
     step = StepInputs(rows, position[:, None], write[:, None], visible[:, None, None, :], contiguous)
     hidden = tts(embeds, cache, step)
     logits = tts.code_logits(hidden[:, -1])
-    temperature = torch.tensor(TTS_TEMPERATURE, device=packed.device)
+    # (0.1, 0.3, 0.1, 0.3) built on device: no host copy may happen inside a CUDA graph
+    codebooks = torch.arange(cfg.num_vq, device=packed.device)
+    temperature = torch.where(codebooks % 2 == 0, TTS_TEMPERATURE[0], TTS_TEMPERATURE[1])
     flat = (logits / temperature[None, :, None]).reshape(batch * cfg.num_vq, -1)
     rows_per_code = lambda column: packed[:, column].repeat_interleave(cfg.num_vq)  # noqa: E731
     top_p = torch.full((flat.shape[0], 1), cfg.top_p, device=packed.device)

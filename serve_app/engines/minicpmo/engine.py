@@ -164,8 +164,11 @@ class MiniCPMOEngine:
             self._graphs.capture_all()
             decode_graphs = DecodeGraphs(model.decoder, options.chunk_frames + 4,
                                          min(options.max_slots, 64))
-            decode_graphs.capture_all()
-            self._decoder = decode_graphs
+            try:
+                decode_graphs.capture_all()
+                self._decoder = decode_graphs
+            except RuntimeError:
+                logger.exception("decode could not be captured as a CUDA graph; decoding eagerly")
         self._phase_s: dict[str, float] = collections.defaultdict(float)
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
         self._thread.start()
