@@ -38,7 +38,8 @@ def server() -> Server:
     from serve_app.app import build_app
     from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+    # address="local": always a fresh cluster of our own, never one already running here.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
              log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})

@@ -231,3 +231,22 @@ def test_client_disconnect_aborts_the_engine_stream(server: Server,
             break
         asyncio.run(asyncio.sleep(0.05))
     assert server.synthesizer_stats()["engine"]["aborted"] == aborted_before + 1
+
+
+def test_batching_knobs_change_live_through_reconfigure(server: Server,
+                                                        client: httpx.Client) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Synthesizer", app_name="tts")
+    original = server.synthesizer_stats()["batching"]
+    completed = server.synthesizer_stats()["engine"]["completed"]
+    try:
+        for knobs in ({**original, "max_batch_size": 3, "batch_wait_timeout_s": 0.0},
+                      {**original, "max_concurrent_batches": 2}):
+            handle.reconfigure.remote(knobs).result()
+            assert server.synthesizer_stats()["batching"] == knobs
+            assert client.post("/v1/audio/speech", json=OPENAI_OK).status_code == 200
+    finally:
+        handle.reconfigure.remote(original).result()
+    # Same replica throughout: its counters kept counting.
+    assert server.synthesizer_stats()["engine"]["completed"] == completed + 2
