@@ -124,3 +124,77 @@ class AudioStepGraphs:
         graph, out = self.graphs[bucket]
         graph.replay()
         return out[index.to(out.device)].cpu()
+
+
+PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens; longer ones take passes
+
+
+def text_prefill_step(tts: SpeechTokenModel, cache: SlotKVCache, ids: torch.Tensor,
+                      positions: torch.Tensor, valid: torch.Tensor, speaker: torch.Tensor,
+                      speaker_at: torch.Tensor, rows: torch.Tensor, contiguous: bool) -> None:
+    """Write text embeddings (the speaker embedding where ``speaker_at``) into the cache, causal.
+
+    ``ids``/``positions``/``valid``/``speaker_at`` [B, S]; ``speaker`` [B, H]. Padded tokens
+    write to the scratch position and see only key 0.
+    """
+    embeds = tts.emb_text(ids)
+    embeds = torch.where(speaker_at[:, :, None], speaker[:, None, :].to(embeds.dtype), embeds)
+    keys = torch.arange(cache.max_positions + 1, device=ids.device)
+    visible = keys[None, None, :] <= positions[:, :, None]
+    visible = torch.where(valid[:, :, None], visible, keys[None, None, :] == 0)
+    write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
+    tts(embeds, cache, StepInputs(rows, positions, write, visible[:, None], contiguous))
+
+
+class TextPrefillGraphs:
+    """:func:`text_prefill_step` of width :data:`PREFILL_TOKENS` as CUDA graphs per bucket."""
+
+    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device) -> None:
+        self.tts = tts
+        self.cache = cache
+        slots, width = cache.num_slots, PREFILL_TOKENS
+        dtype = next(tts.parameters()).dtype
+        self.ids = torch.zeros(slots, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, width, dtype=torch.long, device=device)
+        self.valid = torch.zeros(slots, width, dtype=torch.bool, device=device)
+        self.speaker_at = torch.zeros(slots, width, dtype=torch.bool, device=device)
+        self.speaker = torch.zeros(slots, tts.config.hidden_size, dtype=dtype, device=device)
+        self.rows = torch.arange(slots, device=device)
+        self.buckets = sorted({min(2 ** i, slots) for i in range(16) if 2 ** i < 2 * slots})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _forward(self, bucket: int) -> None:
+        text_prefill_step(self.tts, self.cache, self.ids[:bucket], self.positions[:bucket],
+                          self.valid[:bucket], self.speaker[:bucket], self.speaker_at[:bucket],
+                          self.rows[:bucket], True)
+
+    def capture_all(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for bucket in self.buckets:
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bucket)
+                pool = graph.pool()
+                self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    def run(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+            speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
+        """One pass for streams in ``slots``; the [B, PREFILL_TOKENS] inputs are on the CPU."""
+        bucket = next(b for b in self.buckets if b > max(slots))
+        index = torch.tensor(slots, device=self.ids.device)
+        self.valid[:bucket] = False
+        self.speaker_at[:bucket] = False
+        self.ids[index] = ids.to(self.ids.device, non_blocking=True)
+        self.positions[index] = positions.to(self.ids.device, non_blocking=True)
+        self.valid[index] = valid.to(self.ids.device, non_blocking=True)
+        self.speaker_at[index] = speaker_at.to(self.ids.device, non_blocking=True)
+        self.speaker[index] = speaker
+        self.graphs[bucket].replay()

@@ -55,8 +55,9 @@ class DecodeGraphs:
             self.codes[:len(group)] = torch.stack([codes_list[i] for i in group]).to(self.codes.device)
             graph, out = self.graphs[bucket]
             graph.replay()
+            waves = out[:len(group)].clone()  # the next replay reuses the graph's output buffer
             for row, index in enumerate(group):
-                results[index] = out[row].clone()
+                results[index] = waves[row]
         if others:
             for index, wave in zip(others, self.decoder.decode([codes_list[i] for i in others])):
                 results[index] = wave

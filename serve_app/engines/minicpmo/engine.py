@@ -29,18 +29,57 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 import torch
 
-from ..base import (AudioChunk, EngineOverloadedError, EngineStats, InvalidRequestError,
-                    RequestAbortedError, SpeechRequest, EngineError)
+from ..base import (
+    AudioChunk,
+    EngineError,
+    EngineOverloadedError,
+    EngineStats,
+    InvalidRequestError,
+    RequestAbortedError,
+    SpeechRequest,
+)
+from .audio_step import (
+    ACTIVE,
+    BOS,
+    COUNTER,
+    EOS_ALLOWED,
+    FRAME0,
+    GREEDY,
+    PACKED_COLUMNS,
+    POSITION,
+    PREFILL_TOKENS,
+    SEED,
+    TEXT_LEN,
+    WARP,
+    AudioStepGraphs,
+    TextPrefillGraphs,
+    audio_step,
+    audio_visibility,
+    text_prefill_step,
+)
 from .codec import StreamingAudioJoiner
 from .decode_graphs import DecodeGraphs
 from .layers import SlotKVCache, StepInputs, causal_attend
+from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
-from .audio_step import (ACTIVE, BOS, COUNTER, EOS_ALLOWED, FRAME0, GREEDY, PACKED_COLUMNS, POSITION,
-                         SEED, TEXT_LEN, WARP, AudioStepGraphs, audio_step, audio_visibility)
-from .sampling import apply_repetition_penalty, sample_or_argmax, top_k_filter, top_p_filter
-from .schedule import (CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill)
-from .text import (GENERATION_PROMPT, PIECE_TOKENS, READ_INSTRUCTION, TERMINATOR_TOKENS,
-                   TTS_EOS_MARK, PieceDecoder, cut_into_pieces, has_speakable_text, user_turn)
+from .sampling import (
+    apply_repetition_penalty,
+    sample_or_argmax,
+    top_k_filter,
+    top_p_filter,
+)
+from .schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
+from .text import (
+    GENERATION_PROMPT,
+    PIECE_TOKENS,
+    READ_INSTRUCTION,
+    TERMINATOR_TOKENS,
+    TTS_EOS_MARK,
+    PieceDecoder,
+    cut_into_pieces,
+    has_speakable_text,
+    user_turn,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +186,8 @@ class MiniCPMOEngine:
         self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
         self._gen_prompt_ids = tok(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
         self._free_slots = list(range(options.max_slots))  # a heap: lowest slot first
-        self._free_llm_slots = list(range(options.max_chat_slots))[::-1]
+        self._free_llm_slots = list(range(options.max_chat_slots))  # a heap: lowest slot first
+        self._penalty_width = len(self._gen_prompt_ids) + PIECE_TOKENS + 1
         self._pending: collections.deque[_Stream] = collections.deque()
         self._active: dict[str, _Stream] = {}
         self._aborts: set[str] = set()
@@ -160,8 +200,14 @@ class MiniCPMOEngine:
         self._graphs = (AudioStepGraphs(model.tts, self.tts_cache, self.device)
                         if options.cuda_graphs and self.device.type == "cuda" else None)
         self._decoder = model.decoder
+        self._prefill_graphs = (TextPrefillGraphs(model.tts, self.tts_cache, self.device)
+                                if self._graphs is not None else None)
+        self._llm_graphs = (LLMStepGraphs(model.llm, self.llm_cache, self._penalty_width, self.device)
+                            if self._graphs is not None else None)
         if self._graphs is not None:
             self._graphs.capture_all()
+            self._prefill_graphs.capture_all()
+            self._llm_graphs.capture_all()
             decode_graphs = DecodeGraphs(model.decoder, options.chunk_frames + 4,
                                          min(options.max_slots, 64))
             try:
@@ -391,7 +437,7 @@ class MiniCPMOEngine:
                 self._pending.popleft()
                 stream.slot = heapq.heappop(self._free_slots)
                 if stream.plan.pieces is None:
-                    stream.llm_slot = self._free_llm_slots.pop()
+                    stream.llm_slot = heapq.heappop(self._free_llm_slots)
                 admitted.append(stream)
         if not admitted:
             return
@@ -439,7 +485,7 @@ class MiniCPMOEngine:
             if stream.slot >= 0:
                 heapq.heappush(self._free_slots, stream.slot)
             if stream.llm_slot >= 0:
-                self._free_llm_slots.append(stream.llm_slot)
+                heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.slot = stream.llm_slot = -1
 
     def _fail(self, stream: _Stream, error: BaseException) -> None:
@@ -536,21 +582,15 @@ class MiniCPMOEngine:
             self._accept_token(stream, token)
 
     def _sample_llm(self, streams: list[_Stream], logits: torch.Tensor) -> list[int]:
-        params = [s.plan.request.sampling for s in streams]
-        width = max(len(s.penalty_window) for s in streams)
-        window = torch.tensor([s.penalty_window + [s.penalty_window[0]] * (width - len(s.penalty_window))
-                               for s in streams], device=self.device)
-        penalty = torch.tensor([[p.repetition_penalty] for p in params], device=self.device)
-        logits = apply_repetition_penalty(logits, window, torch.ones_like(window, dtype=torch.bool), penalty)
-        greedy = torch.tensor([p.temperature == 0 for p in params], device=self.device)
-        temperature = torch.tensor([[p.temperature if p.temperature > 0 else 1.0] for p in params],
-                                   device=self.device)
-        logits = logits / temperature
-        logits = top_k_filter(logits, torch.tensor([[p.top_k] for p in params], device=self.device), 1)
-        logits = top_p_filter(logits, torch.tensor([[p.top_p] for p in params], device=self.device), 1)
-        seeds = torch.tensor([s.plan.request.seed or 0 for s in streams], device=self.device)
-        counters = torch.tensor([s.llm_tokens for s in streams], device=self.device)
-        return sample_or_argmax(logits, greedy, seeds, counters * 7919 + 1).tolist()
+        """Sample the first token from prefill logits with the decode step's processors."""
+        x = self._llm_inputs(streams)
+        x = LLMStepInputs(**{f: getattr(x, f).to(self.device) for f in LLMStepInputs.__dataclass_fields__})
+        logits = apply_repetition_penalty(logits, x.window, torch.ones_like(x.window, dtype=torch.bool),
+                                          x.penalty[:, None])
+        logits = logits / x.temperature[:, None]
+        logits = top_k_filter(logits, x.top_k[:, None], 1)
+        logits = top_p_filter(logits, x.top_p[:, None], 1)
+        return sample_or_argmax(logits, x.greedy, x.seed, x.counter * 7919 + 1).tolist()
 
     def _accept_token(self, stream: _Stream, token: int) -> None:
         """A sampled LLM token: group by 3 into pieces, stop at terminators or the limit."""
@@ -574,7 +614,7 @@ class MiniCPMOEngine:
     def _free_llm_slot(self, stream: _Stream) -> None:
         with self._lock:
             if stream.llm_slot >= 0:
-                self._free_llm_slots.append(stream.llm_slot)
+                heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.llm_slot = -1
 
     def _llm_decode(self) -> None:
@@ -583,19 +623,41 @@ class MiniCPMOEngine:
                    and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
         if not streams:
             return
-        batch = len(streams)
-        rows = torch.tensor([s.llm_slot for s in streams], device=self.device)
-        ids = torch.tensor([[s.next_token] for s in streams], device=self.device)
-        positions = torch.tensor([[s.llm_len] for s in streams], device=self.device)
-        valid = torch.ones(batch, 1, dtype=torch.bool, device=self.device)
-        step = StepInputs(rows, positions, positions, causal_attend(positions, valid, self.llm_cache.max_positions + 1))
-        hidden = self.model.llm.hidden_states(ids, self.llm_cache, step)
-        logits = self.model.llm.logits(hidden[:, -1])
+        inputs = self._llm_inputs(streams)
+        slots = [s.llm_slot for s in streams]
+        if self._llm_graphs is not None:
+            tokens = self._llm_graphs.run(slots, inputs)
+        else:
+            device_inputs = LLMStepInputs(**{f: getattr(inputs, f).to(self.device)
+                                             for f in LLMStepInputs.__dataclass_fields__})
+            tokens = llm_decode_step(self.model.llm, self.llm_cache, device_inputs,
+                                     torch.tensor(slots, device=self.device), False).cpu()
         for stream in streams:
             stream.llm_len += 1
             stream.llm_steps += 1
-        for stream, token in zip(streams, self._sample_llm(streams, logits)):
+        for stream, token in zip(streams, tokens.tolist()):
             self._accept_token(stream, token)
+
+    def _llm_inputs(self, streams: list[_Stream]) -> LLMStepInputs:
+        params = [s.plan.request.sampling for s in streams]
+        width = self._penalty_width
+        window = np.zeros((len(streams), width), dtype=np.int64)
+        for row, stream in enumerate(streams):
+            ids = stream.penalty_window[-width:]
+            window[row, :len(ids)] = ids
+            window[row, len(ids):] = ids[0]
+        return LLMStepInputs(
+            token=torch.tensor([s.next_token or 0 for s in streams]),
+            position=torch.tensor([s.llm_len for s in streams]),
+            active=torch.ones(len(streams), dtype=torch.bool),
+            temperature=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            top_p=torch.tensor([p.top_p for p in params]),
+            top_k=torch.tensor([p.top_k for p in params]),
+            penalty=torch.tensor([p.repetition_penalty for p in params]),
+            greedy=torch.tensor([p.temperature == 0 for p in params]),
+            seed=torch.tensor([s.plan.request.seed or 0 for s in streams]),
+            counter=torch.tensor([s.llm_tokens for s in streams]),
+            window=torch.from_numpy(window))
 
     # ---- TTS ---------------------------------------------------------------------------------
 
@@ -632,29 +694,34 @@ class MiniCPMOEngine:
             self._text_prefill(texts)
 
     def _text_prefill(self, items: list[tuple[_Stream, TextPrefill]]) -> None:
-        tts = self.model.tts
+        """Batched text prefill in passes of :data:`PREFILL_TOKENS` tokens (causal, so a long
+        prefill split in passes writes exactly what one pass would)."""
         cfg = self.model.config.tts
-        batch = len(items)
-        longest = max(len(item.token_ids) for _, item in items)
-        ids = torch.zeros(batch, longest, dtype=torch.long)
-        positions = torch.zeros(batch, longest, dtype=torch.long)
-        valid = torch.zeros(batch, longest, dtype=torch.bool)
-        for i, (_, item) in enumerate(items):
-            n = len(item.token_ids)
-            ids[i, :n] = torch.tensor(item.token_ids)
-            positions[i, :n] = torch.arange(item.start, item.start + n)
-            valid[i, :n] = True
-        ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
-        embeds = tts.emb_text(ids)
-        for i, (stream, item) in enumerate(items):
-            if item.with_speaker:
-                spk_at = [j for j, t in enumerate(item.token_ids) if t == cfg.spk_emb_token_id]
-                for j in spk_at:
-                    embeds[i, j] = stream.speaker.to(embeds.dtype)
-        rows = torch.tensor([s.slot for s, _ in items], device=self.device)
-        write = torch.where(valid, positions, torch.full_like(positions, self.tts_cache.scratch_position))
-        attend = causal_attend(positions, valid, self.tts_cache.max_positions + 1)
-        tts(embeds, self.tts_cache, StepInputs(rows, positions, write, attend))
+        width = PREFILL_TOKENS
+        passes = max((len(item.token_ids) + width - 1) // width for _, item in items)
+        for index in range(passes):
+            batch = [(s, item) for s, item in items if len(item.token_ids) > index * width]
+            ids = np.zeros((len(batch), width), dtype=np.int64)
+            positions = np.zeros((len(batch), width), dtype=np.int64)
+            valid = np.zeros((len(batch), width), dtype=bool)
+            speaker_at = np.zeros((len(batch), width), dtype=bool)
+            for row, (_, item) in enumerate(batch):
+                part = item.token_ids[index * width:(index + 1) * width]
+                start = item.start + index * width
+                ids[row, :len(part)] = part
+                positions[row, :len(part)] = np.arange(start, start + len(part))
+                valid[row, :len(part)] = True
+                if item.with_speaker:
+                    speaker_at[row, :len(part)] = np.asarray(part) == cfg.spk_emb_token_id
+            tensors = [torch.from_numpy(a) for a in (ids, positions, valid, speaker_at)]
+            speaker = torch.stack([s.speaker for s, _ in batch])
+            slots = [s.slot for s, _ in batch]
+            if self._prefill_graphs is not None:
+                self._prefill_graphs.run(slots, tensors[0], tensors[1], tensors[2], speaker, tensors[3])
+            else:
+                ids_t, positions_t, valid_t, speaker_at_t = (t.to(self.device) for t in tensors)
+                text_prefill_step(self.model.tts, self.tts_cache, ids_t, positions_t, valid_t, speaker,
+                                  speaker_at_t, torch.tensor(slots, device=self.device), False)
 
     def _carry_prefill(self, stream: _Stream, item: CarryPrefill) -> None:
         tts = self.model.tts
@@ -677,17 +744,18 @@ class MiniCPMOEngine:
     def _tts_step(self, streams: list[_Stream], decode_jobs: list, follow_up: list) -> None:
         cfg = self.model.config.tts
         greedy = int(self.options.tts_sampling == "greedy")
-        packed = torch.zeros(len(streams), PACKED_COLUMNS, dtype=torch.long)
+        packed = np.zeros((len(streams), PACKED_COLUMNS), dtype=np.int64)  # numpy: cheap per-item writes
         for i, stream in enumerate(streams):
             st = stream.schedule.next_step()
             row = packed[i]
-            row[ACTIVE], row[BOS] = 1, int(st.bos)
+            row[ACTIVE], row[BOS] = 1, st.bos
             if st.frame is not None:
-                row[FRAME0:FRAME0 + cfg.num_vq] = torch.tensor(st.frame)
+                row[FRAME0:FRAME0 + cfg.num_vq] = st.frame
             row[POSITION], row[TEXT_LEN] = st.position, st.text_len
-            row[EOS_ALLOWED], row[WARP] = int(st.eos_allowed), int(st.apply_warpers)
+            row[EOS_ALLOWED], row[WARP] = st.eos_allowed, st.apply_warpers
             row[SEED], row[COUNTER] = stream.plan.request.seed or 0, stream.tts_steps
             row[GREEDY] = greedy
+        packed = torch.from_numpy(packed)
         slots = [s.slot for s in streams]
         if self._graphs is not None:
             codes = self._graphs.run(slots, packed)
@@ -705,10 +773,13 @@ class MiniCPMOEngine:
     def _decode(self, jobs: list[tuple[_Stream, DecodeJob]]) -> None:
         real = [(s, j) for s, j in jobs if j.frames and not s.done]
         if real:
-            codes = [torch.tensor(j.frames, dtype=torch.long, device=self.device) for _, j in real]
+            codes = [torch.tensor(j.frames, dtype=torch.long) for _, j in real]
             waves = self._decoder.decode(codes)
-            for (stream, job), wave in zip(real, waves):
-                audio = wave.float().cpu().numpy()
+            lengths = [len(w) for w in waves]
+            flat = torch.cat([w.float() for w in waves]).cpu().numpy()  # one device-to-host copy
+            offsets = np.cumsum([0] + lengths)
+            for index, (stream, job) in enumerate(real):
+                audio = flat[offsets[index]:offsets[index + 1]]
                 if job.segment_start:
                     tail = stream.joiner.finish()
                     if len(tail):

@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from .modeling import TTSConfig
-from .text import detect_language, sentence_end, spell_digits, TTS_EOS_MARK
+from .text import TTS_EOS_MARK, detect_language, sentence_end, spell_digits
 
 SEGMENT_TEXT_LIMIT_MARGIN = 180  # a new segment may start once L >= reserved - 180 (= 120)
 CARRY_TEXT_TOKENS = 5

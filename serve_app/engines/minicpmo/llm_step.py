@@ -1,0 +1,103 @@
+"""One chat-mode LLM decode step for a batch of streams, graph-capturable.
+
+Inputs are per-row tensors (last token, its position, sampling parameters, the ids the
+repetition penalty looks at); the output is the next token of every row, sampled on the device
+with transformers' order of processors: repetition penalty, temperature, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .layers import SlotKVCache, StepInputs
+from .modeling import QwenLM
+from .sampling import (
+    apply_repetition_penalty,
+    sample_or_argmax,
+    top_k_filter,
+    top_p_filter,
+)
+
+
+@dataclass
+class LLMStepInputs:
+    token: torch.Tensor        # [B] long, fed at ``position``
+    position: torch.Tensor     # [B] long
+    active: torch.Tensor       # [B] bool
+    temperature: torch.Tensor  # [B] float (1.0 where greedy)
+    top_p: torch.Tensor        # [B] float
+    top_k: torch.Tensor        # [B] long
+    penalty: torch.Tensor      # [B] float
+    greedy: torch.Tensor       # [B] bool
+    seed: torch.Tensor         # [B] long
+    counter: torch.Tensor      # [B] long
+    window: torch.Tensor       # [B, W] long (padded with repeats of its first id)
+
+    def slice(self, count: int) -> "LLMStepInputs":
+        return LLMStepInputs(**{f.name: getattr(self, f.name)[:count] for f in fields(self)})
+
+
+def llm_decode_step(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: torch.Tensor,
+                    contiguous: bool) -> torch.Tensor:
+    keys = torch.arange(cache.max_positions + 1, device=x.token.device)
+    visible = keys[None, :] <= x.position[:, None]
+    visible = torch.where(x.active[:, None], visible, keys[None, :] == 0)
+    write = torch.where(x.active, x.position, torch.full_like(x.position, cache.scratch_position))
+    step = StepInputs(rows, x.position[:, None], write[:, None], visible[:, None, None, :], contiguous)
+    hidden = llm.hidden_states(x.token[:, None], cache, step)
+    logits = llm.logits(hidden[:, -1])
+    logits = apply_repetition_penalty(logits, x.window, torch.ones_like(x.window, dtype=torch.bool),
+                                      x.penalty[:, None])
+    logits = logits / x.temperature[:, None]
+    logits = top_k_filter(logits, x.top_k[:, None], 1)
+    logits = top_p_filter(logits, x.top_p[:, None], 1)
+    return sample_or_argmax(logits, x.greedy, x.seed, x.counter * 7919 + 1)
+
+
+class LLMStepGraphs:
+    """:func:`llm_decode_step` as CUDA graphs per batch bucket over LLM slots ``0..b-1``."""
+
+    def __init__(self, llm: QwenLM, cache: SlotKVCache, window: int, device: torch.device) -> None:
+        self.llm = llm
+        self.cache = cache
+        slots = cache.num_slots
+        zeros = lambda dtype, *shape: torch.zeros(slots, *shape, dtype=dtype, device=device)  # noqa: E731
+        self.inputs = LLMStepInputs(
+            token=zeros(torch.long), position=zeros(torch.long), active=zeros(torch.bool),
+            temperature=zeros(torch.float32) + 1, top_p=zeros(torch.float32) + 1,
+            top_k=zeros(torch.long) + 1, penalty=zeros(torch.float32) + 1,
+            greedy=zeros(torch.bool), seed=zeros(torch.long), counter=zeros(torch.long),
+            window=zeros(torch.long, window))
+        self.rows = torch.arange(slots, device=device)
+        self.buckets = sorted({min(2 ** i, slots) for i in range(16) if 2 ** i < 2 * slots})
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def capture_all(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for bucket in self.buckets:
+                llm_decode_step(self.llm, self.cache, self.inputs.slice(bucket), self.rows[:bucket], True)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = None
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = llm_decode_step(self.llm, self.cache, self.inputs.slice(bucket),
+                                          self.rows[:bucket], True)
+                pool = graph.pool()
+                self.graphs[bucket] = (graph, out)
+        torch.cuda.synchronize()
+
+    def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
+        bucket = next(b for b in self.buckets if b > max(slots))
+        index = torch.tensor(slots, device=self.rows.device)
+        self.inputs.active[:bucket] = False
+        for f in fields(LLMStepInputs):
+            getattr(self.inputs, f.name)[index] = getattr(x, f.name).to(self.rows.device)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out[index].cpu()
