@@ -147,26 +147,29 @@ def text_prefill_step(tts: SpeechTokenModel, cache: SlotKVCache, ids: torch.Tens
 
 
 class TextPrefillGraphs:
-    """:func:`text_prefill_step` of width :data:`PREFILL_TOKENS` as CUDA graphs per bucket."""
+    """:func:`text_prefill_step` of width :data:`PREFILL_TOKENS` as CUDA graphs, bucketed by the
+    number of prefilling streams (few per step): their cache rows are gathered by slot index,
+    so a prefill costs what its own rows cost, not what the busiest slot range does."""
 
-    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device) -> None:
+    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
+                 max_rows: int = 64) -> None:
         self.tts = tts
         self.cache = cache
-        slots, width = cache.num_slots, PREFILL_TOKENS
+        rows, width = min(max_rows, cache.num_slots), PREFILL_TOKENS
         dtype = next(tts.parameters()).dtype
-        self.ids = torch.zeros(slots, width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(slots, width, dtype=torch.long, device=device)
-        self.valid = torch.zeros(slots, width, dtype=torch.bool, device=device)
-        self.speaker_at = torch.zeros(slots, width, dtype=torch.bool, device=device)
-        self.speaker = torch.zeros(slots, tts.config.hidden_size, dtype=dtype, device=device)
-        self.rows = torch.arange(slots, device=device)
-        self.buckets = sorted({min(2 ** i, slots) for i in range(16) if 2 ** i < 2 * slots})
+        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.valid = torch.zeros(rows, width, dtype=torch.bool, device=device)
+        self.speaker_at = torch.zeros(rows, width, dtype=torch.bool, device=device)
+        self.speaker = torch.zeros(rows, tts.config.hidden_size, dtype=dtype, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
+        self.buckets = sorted({min(2 ** i, rows) for i in range(16) if 2 ** i < 2 * rows})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _forward(self, bucket: int) -> None:
         text_prefill_step(self.tts, self.cache, self.ids[:bucket], self.positions[:bucket],
                           self.valid[:bucket], self.speaker[:bucket], self.speaker_at[:bucket],
-                          self.rows[:bucket], True)
+                          self.slots[:bucket], False)
 
     def capture_all(self) -> None:
         side = torch.cuda.Stream()
@@ -188,13 +191,19 @@ class TextPrefillGraphs:
     def run(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
             speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
         """One pass for streams in ``slots``; the [B, PREFILL_TOKENS] inputs are on the CPU."""
-        bucket = next(b for b in self.buckets if b > max(slots))
-        index = torch.tensor(slots, device=self.ids.device)
-        self.valid[:bucket] = False
-        self.speaker_at[:bucket] = False
-        self.ids[index] = ids.to(self.ids.device, non_blocking=True)
-        self.positions[index] = positions.to(self.ids.device, non_blocking=True)
-        self.valid[index] = valid.to(self.ids.device, non_blocking=True)
-        self.speaker_at[index] = speaker_at.to(self.ids.device, non_blocking=True)
-        self.speaker[index] = speaker
-        self.graphs[bucket].replay()
+        largest = self.buckets[-1]
+        for start in range(0, len(slots), largest):
+            part = slice(start, start + largest)
+            count = len(slots[part])
+            bucket = next(b for b in self.buckets if b >= count)
+            device = self.ids.device
+            self.valid[:bucket] = False
+            self.speaker_at[:bucket] = False
+            self.slots[:bucket] = slots[part][0]  # padding rows: a real slot, writes go to scratch
+            self.slots[:count] = torch.tensor(slots[part]).to(device)
+            self.ids[:count] = ids[part].to(device)
+            self.positions[:count] = positions[part].to(device)
+            self.valid[:count] = valid[part].to(device)
+            self.speaker_at[:count] = speaker_at[part].to(device)
+            self.speaker[:count] = speaker[part]
+            self.graphs[bucket].replay()

@@ -109,6 +109,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
+    admission_interval_steps: int = 4  # while streams run, admit every N steps (batches prefills)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -372,10 +373,10 @@ class MiniCPMOEngine:
         return dict(self._phase_s)
 
     def _step(self) -> None:
-        next(self._step_counter)
+        step = next(self._step_counter)
         t = time.perf_counter()
         self._apply_aborts()
-        self._admit()
+        self._admit(step)
         t = self._phase("admit_prefill", t)
         self._llm_decode()
         t = self._phase("llm_decode", t)
@@ -427,7 +428,9 @@ class MiniCPMOEngine:
                 with self._lock:
                     self._stats.aborted += 1
 
-    def _admit(self) -> None:
+    def _admit(self, step: int) -> None:
+        if self._active and step % max(self.options.admission_interval_steps, 1):
+            return  # batch admissions: one LLM prefill per few steps instead of one per step
         admitted: list[_Stream] = []
         with self._lock:
             while self._pending and self._free_slots:
