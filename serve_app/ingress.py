@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -56,7 +57,7 @@ class RequestGuard:
             self._check_auth(api, scope["path"], headers)
             if scope["method"] == "POST":
                 body = await self._read_body(api, headers, receive)
-                receive = _replay(body)
+                receive = _replay(body, receive)
         except ApiError as error:
             await error_response(error)(scope, receive, send)
             return
@@ -96,19 +97,18 @@ class RequestGuard:
         return bytes(body)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The buffered body once, then the real channel (so disconnects still arrive)."""
     sent = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        # After the body, wait like a real connection until the client goes away.
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
+        return await receive()
 
-    return receive
+    return replay
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -277,6 +277,9 @@ class Ingress:
             first = await pieces.__anext__()
         except StopAsyncIteration:
             first = b""
+        except BackPressureError:
+            raise ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
+                           error_type="service_unavailable", headers={"Retry-After": "1"})
         except BaseException:
             pieces.cancel()
             raise
