@@ -105,6 +105,7 @@ class EngineOptions:
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: int = 2048
     voices: tuple[str, ...] = ("default",)
+    served_model_name: str = "MiniCPM-o-2_6"  # what /v1/models shows (never a local path)
     keep_traces: bool = False  # tests: keep each finished stream's codes (see ``trace``)
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
@@ -239,6 +240,10 @@ class MiniCPMOEngine:
 
     # ---- public API ------------------------------------------------------------------------
 
+    @property
+    def model_id(self) -> str:
+        return self.options.served_model_name
+
     def voices(self) -> list[str]:
         return list(self.options.voices)
 
@@ -322,7 +327,20 @@ class MiniCPMOEngine:
             async for _ in stream:
                 pass
 
-        asyncio.run(run())
+        # A thread of its own: the caller (a Serve replica's __init__) may sit inside a running loop.
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                asyncio.run(run())
+            except BaseException as error:  # re-raised in the caller's thread
+                errors.append(error)
+
+        thread = threading.Thread(target=target, name="minicpmo-warmup")
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         self._stop = True

@@ -1,0 +1,105 @@
+"""The MiniCPM-o engine served through Ray Serve returns exactly what the engine produces."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from serve_app.engines.base import SpeechRequest
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
+from serve_app.engines.minicpmo.loader import load_speech_model
+
+APP = "minicpmo-tiny"
+PREFIX = "/minicpmo"
+TEXT = "Hello there. Streaming speech comes out while the text is still arriving."
+
+
+def engine_options(checkpoint) -> dict:
+    return {"model": str(checkpoint), "device": "cpu", "dtype": "float32", "max_slots": 4,
+            "max_chat_slots": 2, "tts_max_positions": 1024, "llm_max_positions": 256,
+            "tts_sampling": "greedy", "max_segment_frames": 300}
+
+
+@pytest.fixture(scope="module")
+def minicpmo_app(server, tiny_checkpoint):
+    """A second app on the session's Ray Serve instance: the tiny checkpoint, greedy decoding."""
+    from ray import serve
+
+    from serve_app.config import ApiConfig, BatchingConfig
+    from serve_app.encoder import AudioEncoder
+    from serve_app.ingress import Ingress
+    from serve_app.synthesizer import Synthesizer
+
+    small = {"num_cpus": 0.05}
+    synthesizer = Synthesizer.options(
+        name="Synthesizer", ray_actor_options=small,
+        user_config=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05).model_dump(),
+    ).bind("minicpmo", engine_options(tiny_checkpoint))
+    encoder = AudioEncoder.options(ray_actor_options=small).bind(synthesizer)
+    ingress = Ingress.options(ray_actor_options=small).bind(encoder, synthesizer,
+                                                            ApiConfig().model_dump())
+    serve.run(ingress, name=APP, route_prefix=PREFIX)
+    base = f"{server.base_url}{PREFIX}"
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{base}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "minicpmo app never became ready"
+        time.sleep(0.5)
+    yield base
+    serve.delete(APP)
+
+
+def engine_pcm(checkpoint, text: str) -> np.ndarray:
+    """The engine's own float output for the same request, converted as the encoder does."""
+    model = load_speech_model(str(checkpoint), device="cpu", dtype=torch.float32)
+    options = engine_options(checkpoint)
+    engine = MiniCPMOEngine(model, EngineOptions(**options))
+    try:
+        async def run():
+            (stream,) = engine.submit([SpeechRequest(request_id="direct", text=text, mode="read")])
+            return np.concatenate([chunk.samples async for chunk in stream])
+
+        return asyncio.run(run())
+    finally:
+        engine.close()
+
+
+def test_http_audio_equals_engine_output(minicpmo_app, tiny_checkpoint):
+    response = httpx.post(f"{minicpmo_app}/v1/speech/stream", timeout=300,
+                          json={"text": TEXT, "mode": "read", "format": "pcm", "sample_rate": 24000})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-sample-rate"] == "24000"
+    served = np.frombuffer(response.content, dtype="<i2").astype(np.int32)
+    direct = engine_pcm(tiny_checkpoint, TEXT)
+    expected = np.round(np.clip(direct, -1.0, 1.0) * 32767).astype(np.int32)
+    assert len(served) == len(expected) > 4096
+    assert np.max(np.abs(served - expected)) <= 1
+
+
+def test_models_list_names_the_model_not_a_path(minicpmo_app):
+    body = httpx.get(f"{minicpmo_app}/v1/models", timeout=30).json()
+    ids = [m["id"] for m in body["data"]]
+    assert "MiniCPM-o-2_6" in ids
+    assert not any("/" in i for i in ids)
+
+
+def test_chat_mode_streams_an_answer(minicpmo_app):
+    response = httpx.post(f"{minicpmo_app}/v1/speech/stream", timeout=300,
+                          json={"text": "Say something.", "mode": "chat", "format": "wav",
+                                "sample_rate": 16000, "seed": 7})
+    assert response.status_code == 200, response.text
+    assert response.content[:4] == b"RIFF" and len(response.content) > 44 + 16000 // 4
+
+
+def test_bad_input_is_a_json_4xx_and_the_app_keeps_serving(minicpmo_app):
+    for body in ({"text": "?!... \U0001F600", "mode": "read"}, {"text": "hi", "voice": "nobody"}):
+        response = httpx.post(f"{minicpmo_app}/v1/speech/stream", json=body, timeout=60)
+        assert 400 <= response.status_code < 500, response.text
+        assert "error" in response.json()
+    ok = httpx.post(f"{minicpmo_app}/v1/speech/stream", timeout=300,
+                    json={"text": "Still here.", "mode": "read", "format": "pcm"})
+    assert ok.status_code == 200 and len(ok.content) > 0
