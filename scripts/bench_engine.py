@@ -200,7 +200,11 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None,
                         help="load this checkpoint (official layout) instead of random weights")
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
+    parser.add_argument("--plot-only", default=None, help="redraw the PNG of an existing JSON and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     gpu_tag = gpu.split()[1].lower() if torch.cuda.is_available() and len(gpu.split()) > 1 else "cpu"

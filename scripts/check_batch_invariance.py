@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Do batched greedy codes equal single-stream codes on this device and dtype?
+
+Builds full-size random weights (the real config's shapes), runs ``--streams`` greedy read
+requests one at a time and then all together (staggered), and compares every stream's codes.
+Writes a JSON with the agreement per dtype (fp32 is expected to agree exactly; bf16 reductions
+differ with the batch shape, so some streams may diverge after a near-tie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from serve_app.engines.base import LengthControls, SpeechRequest  # noqa: E402
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
+from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
+
+TEXTS = ["The quick brown fox jumps over the lazy dog near the quiet river bank.",
+         "Streaming speech synthesis turns text into audio while the text is still arriving.",
+         "Numbers like 1234 and 56 are read digit by digit.",
+         "Thank you for listening, and have a wonderful day ahead."]
+
+
+def codes_of(engine: MiniCPMOEngine, request_id: str) -> np.ndarray:
+    trace = engine.trace(request_id)
+    frames = [f for segment in trace.finished_segments for f in segment]
+    return np.asarray(frames)
+
+
+async def run(engine: MiniCPMOEngine, requests: list[SpeechRequest], stagger_s: float) -> None:
+    async def one(request: SpeechRequest, delay: float) -> None:
+        await asyncio.sleep(delay)
+        (stream,) = engine.submit([request])
+        async for _ in stream:
+            pass
+
+    await asyncio.gather(*(one(r, i * stagger_s) for i, r in enumerate(requests)))
+
+
+def check(dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    model = random_speech_model(ROOT / "tests" / "golden" / "chattts_tokenizer", args.device, dtype)
+    options = EngineOptions(device=args.device, max_slots=max(args.streams, 2), max_chat_slots=2,
+                            tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy",
+                            keep_traces=True, cuda_graphs=not args.no_graphs)
+    engine = MiniCPMOEngine(model, options)
+    lengths = LengthControls(ignore_eos=True, audio_frames=args.frames)
+
+    def request(index: int, tag: str) -> SpeechRequest:
+        return SpeechRequest(request_id=f"{tag}-{index}", text=TEXTS[index % len(TEXTS)],
+                             mode="read", lengths=lengths)
+
+    for index in range(args.streams):
+        asyncio.run(run(engine, [request(index, "alone")], 0.0))
+    asyncio.run(run(engine, [request(i, "batched") for i in range(args.streams)], args.stagger_s))
+    agree, first_divergence = 0, []
+    for index in range(args.streams):
+        alone, batched = codes_of(engine, f"alone-{index}"), codes_of(engine, f"batched-{index}")
+        same = alone.shape == batched.shape and np.array_equal(alone, batched)
+        agree += same
+        if not same:
+            n = min(len(alone), len(batched))
+            diff = np.nonzero(np.any(alone[:n] != batched[:n], axis=1))[0]
+            first_divergence.append(int(diff[0]) if len(diff) else n)
+    engine.close()
+    del engine, model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"dtype": str(dtype).replace("torch.", ""), "streams": args.streams, "frames": args.frames,
+            "identical_streams": agree, "agreement": agree / args.streams,
+            "first_divergent_frame": first_divergence}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--frames", type=int, default=150)
+    parser.add_argument("--stagger-s", type=float, default=0.05)
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "batch-invariance.json"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    results = [check(getattr(torch, name), args) for name in args.dtypes]
+    report = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "results": results, "seconds": time.perf_counter() - started}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
