@@ -200,10 +200,14 @@ class TextPrefillGraphs:
             self.valid[:bucket] = False
             self.speaker_at[:bucket] = False
             self.slots[:bucket] = slots[part][0]  # padding rows: a real slot, writes go to scratch
-            self.slots[:count] = torch.tensor(slots[part]).to(device)
-            self.ids[:count] = ids[part].to(device)
-            self.positions[:count] = positions[part].to(device)
-            self.valid[:count] = valid[part].to(device)
-            self.speaker_at[:count] = speaker_at[part].to(device)
+            # one host-to-device copy for all integer inputs of this pass
+            packed = torch.cat([torch.tensor(slots[part])[:, None], ids[part], positions[part],
+                                valid[part].long(), speaker_at[part].long()], dim=1).to(device)
+            width = ids.shape[1]
+            self.slots[:count] = packed[:, 0]
+            self.ids[:count] = packed[:, 1:1 + width]
+            self.positions[:count] = packed[:, 1 + width:1 + 2 * width]
+            self.valid[:count] = packed[:, 1 + 2 * width:1 + 3 * width].bool()
+            self.speaker_at[:count] = packed[:, 1 + 3 * width:].bool()
             self.speaker[:count] = speaker[part]
             self.graphs[bucket].replay()

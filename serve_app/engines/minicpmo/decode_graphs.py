@@ -15,6 +15,8 @@ from .codec import NUM_CODEBOOKS, SpeechDecoder
 
 
 class DecodeGraphs:
+    """Graphs for one piece length (``frames``); see :class:`MultiLengthDecodeGraphs`."""
+
     def __init__(self, decoder: SpeechDecoder, frames: int, max_batch: int) -> None:
         self.decoder = decoder
         self.frames = frames
@@ -60,5 +62,32 @@ class DecodeGraphs:
                 results[index] = waves[row]
         if others:
             for index, wave in zip(others, self.decoder.decode([codes_list[i] for i in others])):
+                results[index] = wave
+        return results  # type: ignore[return-value]
+
+
+class MultiLengthDecodeGraphs:
+    """Graphs for several piece lengths: 25 frames (a stream's first call) and 29 (every later
+    call, with 4 frames of context); any other length decodes eagerly."""
+
+    def __init__(self, decoder: SpeechDecoder, lengths: Sequence[int], max_batch: int) -> None:
+        self.decoder = decoder
+        self.by_length = {n: DecodeGraphs(decoder, n, max_batch) for n in lengths}
+
+    def capture_all(self) -> None:
+        for graphs in self.by_length.values():
+            graphs.capture_all()
+
+    def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        results: list[torch.Tensor | None] = [None] * len(codes_list)
+        groups: dict[int, list[int]] = {}
+        for index, codes in enumerate(codes_list):
+            groups.setdefault(codes.shape[0] if codes.shape[0] in self.by_length else -1, []).append(index)
+        for length, indices in groups.items():
+            if length == -1:
+                waves = self.decoder.decode([codes_list[i] for i in indices])
+            else:
+                waves = self.by_length[length].decode([codes_list[i] for i in indices])
+            for index, wave in zip(indices, waves):
                 results[index] = wave
         return results  # type: ignore[return-value]

@@ -58,7 +58,7 @@ from .audio_step import (
     text_prefill_step,
 )
 from .codec import StreamingAudioJoiner
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import MultiLengthDecodeGraphs
 from .layers import SlotKVCache, StepInputs, causal_attend
 from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
@@ -210,8 +210,9 @@ class MiniCPMOEngine:
             self._graphs.capture_all()
             self._prefill_graphs.capture_all()
             self._llm_graphs.capture_all()
-            decode_graphs = DecodeGraphs(model.decoder, options.chunk_frames + 4,
-                                         min(options.max_slots, 64))
+            decode_graphs = MultiLengthDecodeGraphs(
+                model.decoder, (options.chunk_frames, options.chunk_frames + 4),
+                min(options.max_slots, 64))
             try:
                 decode_graphs.capture_all()
                 self._decoder = decode_graphs
