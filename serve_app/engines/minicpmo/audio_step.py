@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .graphs import bucket_sizes, capture_per_bucket
 from .layers import SlotKVCache, StepInputs
 from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
@@ -94,25 +95,12 @@ class AudioStepGraphs:
         self.packed = torch.zeros(slots, PACKED_COLUMNS, device=device, dtype=torch.long)
         self.host = torch.zeros(slots, PACKED_COLUMNS, dtype=torch.long).pin_memory()
         self.rows = torch.arange(slots, device=device)
-        self.buckets = sorted({min(2 ** i, slots) for i in range(16) if 2 ** i < 2 * slots})
+        self.buckets = bucket_sizes(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture_all(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for bucket in self.buckets:
-                audio_step(self.tts, self.cache, self.packed[:bucket], self.rows[:bucket], True)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = audio_step(self.tts, self.cache, self.packed[:bucket], self.rows[:bucket], True)
-                pool = graph.pool()
-                self.graphs[bucket] = (graph, out)
-        torch.cuda.synchronize()
+        self.graphs = capture_per_bucket(
+            self.buckets, lambda b: audio_step(self.tts, self.cache, self.packed[:b], self.rows[:b], True))
 
     def run(self, slots: list[int], packed_rows: torch.Tensor) -> torch.Tensor:
         """``packed_rows`` [B, columns] (CPU) for streams in ``slots``; returns codes [B, vq] (CPU)."""
@@ -163,8 +151,8 @@ class TextPrefillGraphs:
         self.speaker_at = torch.zeros(rows, width, dtype=torch.bool, device=device)
         self.speaker = torch.zeros(rows, tts.config.hidden_size, dtype=dtype, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
-        self.buckets = sorted({min(2 ** i, rows) for i in range(16) if 2 ** i < 2 * rows})
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.buckets = bucket_sizes(rows)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def _forward(self, bucket: int) -> None:
         text_prefill_step(self.tts, self.cache, self.ids[:bucket], self.positions[:bucket],
@@ -172,21 +160,7 @@ class TextPrefillGraphs:
                           self.slots[:bucket], False)
 
     def capture_all(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for bucket in self.buckets:
-                self._forward(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(bucket)
-                pool = graph.pool()
-                self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self.graphs = capture_per_bucket(self.buckets, self._forward)
 
     def run(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
             speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
@@ -210,4 +184,4 @@ class TextPrefillGraphs:
             self.valid[:count] = packed[:, 1 + 2 * width:1 + 3 * width].bool()
             self.speaker_at[:count] = packed[:, 1 + 3 * width:].bool()
             self.speaker[:count] = speaker[part]
-            self.graphs[bucket].replay()
+            self.graphs[bucket][0].replay()

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from .codec import NUM_CODEBOOKS, SpeechDecoder
+from .graphs import bucket_sizes, capture_per_bucket
 
 
 class DecodeGraphs:
@@ -22,28 +23,14 @@ class DecodeGraphs:
         self.frames = frames
         device = decoder.device
         self.codes = torch.zeros(max_batch, frames, NUM_CODEBOOKS, dtype=torch.long, device=device)
-        self.buckets = sorted({min(2 ** i, max_batch) for i in range(12) if 2 ** i < 2 * max_batch})
+        self.buckets = bucket_sizes(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, bucket: int) -> torch.Tensor:
         return self.decoder.mel_to_audio(self.decoder.codes_to_mel(self.codes[:bucket]))
 
     def capture_all(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for bucket in self.buckets:
-                self._forward(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(bucket)
-                pool = graph.pool()
-                self.graphs[bucket] = (graph, out)
-        torch.cuda.synchronize()
+        self.graphs = capture_per_bucket(self.buckets, self._forward)
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Like :meth:`SpeechDecoder.decode`; pieces of the captured length replay a graph."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .graphs import bucket_sizes, capture_per_bucket
 from .layers import SlotKVCache, StepInputs
 from .modeling import QwenLM
 from .sampling import (
@@ -71,26 +72,13 @@ class LLMStepGraphs:
             greedy=zeros(torch.bool), seed=zeros(torch.long), counter=zeros(torch.long),
             window=zeros(torch.long, window))
         self.rows = torch.arange(slots, device=device)
-        self.buckets = sorted({min(2 ** i, slots) for i in range(16) if 2 ** i < 2 * slots})
+        self.buckets = bucket_sizes(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture_all(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for bucket in self.buckets:
-                llm_decode_step(self.llm, self.cache, self.inputs.slice(bucket), self.rows[:bucket], True)
-        torch.cuda.current_stream().wait_stream(side)
-        pool = None
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = llm_decode_step(self.llm, self.cache, self.inputs.slice(bucket),
-                                          self.rows[:bucket], True)
-                pool = graph.pool()
-                self.graphs[bucket] = (graph, out)
-        torch.cuda.synchronize()
+        self.graphs = capture_per_bucket(
+            self.buckets, lambda b: llm_decode_step(self.llm, self.cache, self.inputs.slice(b),
+                                                    self.rows[:b], True))
 
     def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
         bucket = next(b for b in self.buckets if b > max(slots))

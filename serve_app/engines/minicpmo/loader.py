@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -21,7 +22,9 @@ from safetensors import safe_open
 from torch import nn
 
 from .codec import SpeechDecoder
+from .gptq import GPTQ_PARTS, GPTQConfig, dequantize_gptq_linear
 from .modeling import ModelConfig, QwenLM, SpeechTokenModel
+from .quantization import effective_mode, quantize_linears, require_backend
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +71,20 @@ def _shard_files(path: Path) -> list[Path]:
     return shards
 
 
+def checkpoint_keys(path: Path) -> set[str]:
+    """Every tensor key of the checkpoint (headers only; no tensor is read)."""
+    keys: set[str] = set()
+    for shard in _shard_files(path):
+        with safe_open(str(shard), framework="pt") as handle:
+            keys.update(handle.keys())
+    return keys
+
+
 def iter_tensors(path: Path, wanted: Callable[[str], bool], device: torch.device,
-                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(key, tensor)`` for wanted keys, each read straight onto ``device`` in ``dtype``."""
+                 dtype: torch.dtype, keep_dtype: Callable[[str], bool] = lambda key: False,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(key, tensor)`` for wanted keys, each read straight onto ``device``; floating
+    tensors in ``dtype`` unless ``keep_dtype(key)``."""
     load_device = "cpu" if device.type == "meta" else str(device)
     for shard in _shard_files(path):
         with safe_open(str(shard), framework="pt", device=load_device) as handle:
@@ -78,7 +92,7 @@ def iter_tensors(path: Path, wanted: Callable[[str], bool], device: torch.device
                 if key.startswith(SKIPPED_PREFIXES) or not wanted(key):
                     continue
                 tensor = handle.get_tensor(key)
-                if tensor.is_floating_point():
+                if tensor.is_floating_point() and not keep_dtype(key):
                     tensor = tensor.to(dtype)
                 yield key, tensor
 
@@ -104,20 +118,112 @@ def _assign(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> Non
                          f"unexpected {unexpected[:5]})")
 
 
-def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None,
-                      device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                      codec_dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load LLM, TTS, DVAE decoder, Vocos and both tokenizers from the official layout."""
-    device = torch.device(device)
-    path = resolve_checkpoint(model, revision)
-    config = ModelConfig.from_file(path / "config.json")
+class _LayerwiseAssigner:
+    """Assigns a meta-built ``QwenLM``'s tensors, one decoder layer as soon as all of its
+    tensors have arrived, and hands that layer to ``finish_layer`` (quantization) at once, so
+    at most the layers still being read sit on the device in the compute dtype."""
+
+    _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+    def __init__(self, llm: QwenLM, finish_layer: Callable[[nn.Module], object]) -> None:
+        self.llm = llm
+        self.finish_layer = finish_layer
+        self.expected = [set(layer.state_dict()) for layer in llm.model.layers]
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.rest: dict[str, torch.Tensor] = {}
+        self.done: set[int] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        match = self._LAYER_KEY.fullmatch(name)
+        if match is None:
+            self.rest[name] = tensor
+            return
+        index, sub = int(match[1]), match[2]
+        if index >= len(self.expected) or sub not in self.expected[index] or index in self.done:
+            raise ValueError(f"llm: checkpoint does not match (unexpected {name})")
+        bucket = self.pending.setdefault(index, {})
+        bucket[sub] = tensor
+        if len(bucket) == len(self.expected[index]):
+            layer = self.llm.model.layers[index]
+            _assign(layer, self.pending.pop(index), f"llm layer {index}")
+            self.finish_layer(layer)
+            self.done.add(index)
+
+    def finish(self) -> None:
+        missing = [f"model.layers.{i}.{k}" for i, b in sorted(self.pending.items())
+                   for k in sorted(self.expected[i] - set(b))]
+        missing += [f"model.layers.{i}.*" for i in range(len(self.expected))
+                    if i not in self.done and i not in self.pending]
+        if missing:
+            raise ValueError(f"llm: checkpoint does not match (missing {missing[:5]})")
+        rest_missing, unexpected = self.llm.load_state_dict(self.rest, strict=False, assign=True)
+        rest_missing = [k for k in rest_missing if not k.startswith("model.layers.")]
+        if rest_missing or unexpected:
+            raise ValueError(f"llm: checkpoint does not match (missing {rest_missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
+        self.rest = {}
+
+
+def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+             quantization: str = "none") -> QwenLM:
+    """The LLM from ``llm.*``: dense weights, or GPTQ int4 linears dequantized to ``dtype``;
+    then, layer by layer, quantized as ``quantization`` asks (see :mod:`.quantization`)."""
+    mode = effective_mode(quantization, device)
+    if mode != quantization:
+        logger.warning("quantization %s has no kernel on %s: running dequantized %s weights",
+                       quantization, device.type, dtype)
+    gptq = GPTQConfig.from_checkpoint(path)
     with torch.device("meta"):
         llm = QwenLM(config.llm, config.vocab_size)
-        tts = SpeechTokenModel(config.tts, config.tts_shape())
+    assigner = _LayerwiseAssigner(llm, lambda layer: quantize_linears(layer, mode))
+    if gptq is None:
+        for key, tensor in iter_tensors(path, _llm_key, device, dtype):
+            assigner.add(key[len("llm."):], tensor)
+        assigner.finish()
+        return llm
 
-    llm_state = {key[len("llm."):]: t for key, t in iter_tensors(path, _llm_key, device, dtype)}
-    _assign(llm, llm_state, "llm")
-    del llm_state
+    keys = checkpoint_keys(path)
+    is_gptq_part = lambda key: key.rpartition(".")[2] in GPTQ_PARTS  # noqa: E731
+    expected_parts = {}
+    for key in keys:
+        if _llm_key(key) and is_gptq_part(key):
+            module, _, part = key[len("llm."):].rpartition(".")
+            expected_parts.setdefault(module, set()).add(part)
+    logger.info("GPTQ checkpoint (%s): dequantizing %d linears to %s", gptq, len(expected_parts),
+                dtype)
+    collected: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in iter_tensors(path, _llm_key, device, dtype, keep_dtype=is_gptq_part):
+        module, _, part = key[len("llm."):].rpartition(".")
+        if part not in GPTQ_PARTS:
+            assigner.add(key[len("llm."):], tensor)
+            continue
+        parts = collected.setdefault(module, {})
+        parts[part] = tensor
+        if set(parts) == expected_parts[module]:
+            del collected[module]
+            assigner.add(f"{module}.weight", dequantize_gptq_linear(parts, gptq, dtype))
+    if collected:
+        raise ValueError(f"llm: incomplete GPTQ linears {sorted(collected)[:5]}")
+    assigner.finish()
+    return llm
+
+
+def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None,
+                      device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      codec_dtype: torch.dtype = torch.float32,
+                      quantization: str = "none") -> LoadedModel:
+    """Load LLM, TTS, DVAE decoder, Vocos and both tokenizers from the official layout.
+
+    The checkpoint may be the bf16 one or the GPTQ int4 one (``openbmb/MiniCPM-o-2_6-int4``);
+    ``quantization`` (``none | int8 | int4``) applies to the LLM's decoder linears.
+    """
+    device = torch.device(device)
+    require_backend(quantization, device)  # a missing torchao fails before any download
+    path = resolve_checkpoint(model, revision)
+    config = ModelConfig.from_file(path / "config.json")
+    llm = load_llm(path, config, device, dtype, quantization)
+    with torch.device("meta"):
+        tts = SpeechTokenModel(config.tts, config.tts_shape())
 
     tts_raw = {key[len("tts."):]: t for key, t in iter_tensors(path, _tts_key, device, dtype)}
     heads = []
