@@ -10,12 +10,21 @@ active. ``--baseline sequential-eager`` adds the upstream way in the same run: o
 time, no batching. Results go to ``docs/benchmarks/engine-<gpu>.json`` and a PNG.
 
 Example: python scripts/bench_engine.py --modes read chat --concurrency 1 8 32 64 128 256
+
+``--quantization int4|int8`` quantizes the LLM (torchao, the ``quant`` extra) before measuring.
+``--compare-quantization`` measures bf16 and then the quantized LLM on the same random weights
+in one run: peak GPU memory with 32 concurrent streams, single-stream TTFB, real-time streams
+over ``--concurrency`` (``--arrivals``), and the relative error of the quantized logits; it writes
+``docs/benchmarks/<quantization>-<gpu>.json``.
+Example: python scripts/bench_engine.py --compare-quantization --quantization int4 \
+    --concurrency 1 8 16 32 64 --arrivals burst --audio-seconds 10
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -33,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
+from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend  # noqa: E402
+from serve_app.engines.minicpmo.quantization import quantize_llm  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
 
 SAMPLE_RATE = 24_000
@@ -150,6 +161,7 @@ def git_commit() -> str:
 def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
     options = EngineOptions(device=args.device, dtype=args.dtype, max_slots=max_slots,
                             max_chat_slots=min(max_slots, args.max_chat_slots),
+                            quantization=args.quantization,
                             max_queued=4096, tts_max_positions=args.tts_positions,
                             llm_max_positions=args.llm_positions, tts_sampling="sample",
                             cuda_graphs=not args.no_graphs and max_slots > 1,
@@ -180,6 +192,150 @@ def headline(sweep: list[dict], mode: str) -> tuple[dict, int]:
             max(ok) if ok else 0)
 
 
+def llm_bytes(model) -> int:
+    """Bytes the LLM's weights take on the device (quantized tensors counted as stored)."""
+    total = 0
+    for tensor in model.llm.state_dict().values():
+        inner = [getattr(tensor, name) for name in getattr(tensor, "tensor_data_names", [])]
+        for part in inner or [tensor]:
+            total += part.numel() * part.element_size()
+    return total
+
+
+def prompt_logits(model, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states and float logits of one prompt [1, S] (plain causal prefill)."""
+    length = token_ids.shape[1]
+    device = token_ids.device
+    cache = SlotKVCache(model.config.llm, 1, length, device, next(model.tts.parameters()).dtype)
+    positions = torch.arange(length, device=device)[None]
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    step = StepInputs(torch.zeros(1, dtype=torch.long, device=device), positions, positions,
+                      causal_attend(positions, valid, length + 1))
+    with torch.inference_mode():
+        hidden = model.llm.hidden_states(token_ids, cache, step)
+        return hidden[0].float(), model.llm.logits(hidden)[0]
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value - reference).norm() / reference.norm())
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def measure_variant(model, args, label: str) -> dict:
+    """Peak memory with 32 concurrent streams, then single-stream TTFB and the sweep."""
+    streams = 32
+    free_gpu()
+    weights_gb = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    engine = build_engine(model, args, streams)
+    asyncio.run(run_level(engine, "chat", 1, "burst", args))  # warm-up
+    memory_row = asyncio.run(run_level(engine, "chat", streams, "burst", args))
+    memory = {"streams": streams, "mode": "chat", "audio_seconds": args.audio_seconds,
+              "max_slots": streams, "max_chat_slots": streams,
+              "tts_max_positions": args.tts_positions, "llm_max_positions": args.llm_positions,
+              "weights_gb": weights_gb}
+    if torch.cuda.is_available():
+        memory["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        memory["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    memory["realtime_share"] = memory_row["realtime_share"]
+    engine.close()
+    del engine
+    free_gpu()
+    print(f"[{label}] peak memory, {streams} streams: {json.dumps(memory)}", flush=True)
+
+    levels = {"read": args.concurrency, "chat": args.chat_concurrency or args.concurrency}
+    engine = build_engine(model, args, max(max(levels[m]) for m in args.modes))
+    single, sweep, best = {}, [], {}
+    for mode in args.modes:
+        asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
+        runs = [asyncio.run(run_level(engine, mode, 1, "burst", args)) for _ in range(3)]
+        single[mode] = {"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
+                        "rtf": statistics.median(r["rtf_p50"] for r in runs)}
+        best[mode] = 1 if all(r["ok"] for r in runs) else 0
+        for concurrency in [c for c in levels[mode] if c > 1]:
+            for arrival in args.arrivals:
+                row = asyncio.run(run_level(engine, mode, concurrency, arrival, args))
+                sweep.append(row)
+                if row["ok"] and all(r["ok"] for r in sweep if r["mode"] == mode
+                                     and r["concurrency"] == concurrency):
+                    best[mode] = max(best[mode], concurrency)
+            if (sweep[-1]["ttfb_ms_p99"] or 0) > args.stop_after_ttfb_ms:
+                break
+    engine.close()
+    del engine
+    free_gpu()
+    return {"peak_memory_gb_32_streams": memory.get("peak_reserved_gb"),
+            "peak_memory_32_streams": memory, "single_stream": single,
+            "max_realtime_streams": best, "llm_weight_bytes": llm_bytes(model), "sweep": sweep}
+
+
+def compare_quantization(args, gpu: str, gpu_tag: str) -> None:
+    """bf16, then ``args.quantization`` on the same random weights, into one JSON."""
+    import torchao
+
+    quantization = args.quantization
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"{quantization}-{gpu_tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model = random_speech_model(args.tts_tokenizer, args.device, torch.bfloat16)
+    result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "git_commit": git_commit(), "torch": torch.__version__, "torchao": torchao.__version__,
+              "weights": "random, full size (bf16 built on the GPU, then quantized in place)",
+              "quantization": quantization, "quantized": "LLM decoder linears (q/k/v/o, gate/up/down); "
+              "embeddings, lm_head, TTS, DVAE and Vocos stay bf16/fp32",
+              "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
+              "arrivals": args.arrivals, "concurrency": args.concurrency,
+              "peak_memory_note": "torch.cuda.max_memory_reserved over building a 32-slot engine "
+              "(32 TTS + 32 LLM slots, CUDA graphs) and 32 concurrent chat streams; the CUDA "
+              "context (~0.5 GB) comes on top",
+              "max_realtime_streams_rule": ">= 99% of streams never run dry and p99 TTFB <= 500 ms"}
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2))
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(16, model.config.vocab_size, (1, args.logit_prompt_tokens),
+                           generator=generator).to(args.device)
+    reference_hidden, reference_logits = prompt_logits(model, prompt)
+    bf16 = measure_variant(model, args, "bf16")
+    result["bf16"] = {k: bf16[k] for k in ("peak_memory_gb_32_streams", "single_stream",
+                                            "max_realtime_streams", "llm_weight_bytes")}
+    result["sweep"] = {"bf16": bf16["sweep"]}
+    result["peak_memory_32_streams"] = {"bf16": bf16["peak_memory_32_streams"]}
+    save()
+
+    quantize_started = time.perf_counter()
+    quantize_llm(model.llm, quantization)
+    free_gpu()
+    result["quantize_s"] = time.perf_counter() - quantize_started
+    hidden, logits = prompt_logits(model, prompt)
+    result["logits_error"] = {
+        "prompt_tokens": args.logit_prompt_tokens,
+        "relative_l2": relative_error(logits, reference_logits),
+        "relative_l2_last_position": relative_error(logits[-1], reference_logits[-1]),
+        "top1_agreement": float((logits.argmax(-1) == reference_logits.argmax(-1)).float().mean()),
+        "final_hidden_relative_l2": relative_error(hidden, reference_hidden)}
+    print(f"[{quantization}] logits error: {json.dumps(result['logits_error'])}", flush=True)
+    save()
+    quantized = measure_variant(model, args, quantization)
+    for key in ("peak_memory_gb_32_streams", "single_stream", "max_realtime_streams", "llm_weight_bytes"):
+        result[key] = quantized[key]
+    result["sweep"][quantization] = quantized["sweep"]
+    result["peak_memory_32_streams"][quantization] = quantized["peak_memory_32_streams"]
+    result["total_s"] = time.perf_counter() - started
+    save()
+    print(json.dumps({k: result[k] for k in ("peak_memory_gb_32_streams", "single_stream",
+                                              "max_realtime_streams", "logits_error", "bf16")},
+                     indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -201,6 +357,11 @@ def main() -> None:
                         help="load this checkpoint (official layout) instead of random weights")
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
     parser.add_argument("--plot-only", default=None, help="redraw the PNG of an existing JSON and exit")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                        help="LLM weight-only quantization (torchao)")
+    parser.add_argument("--compare-quantization", action="store_true",
+                        help="measure bf16 and --quantization on the same random weights")
+    parser.add_argument("--logit-prompt-tokens", type=int, default=128)
     args = parser.parse_args()
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
@@ -208,18 +369,24 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     gpu_tag = gpu.split()[1].lower() if torch.cuda.is_available() and len(gpu.split()) > 1 else "cpu"
+    if args.compare_quantization:
+        compare_quantization(args, gpu, gpu_tag)
+        return
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
     if args.checkpoint:
         from serve_app.engines.minicpmo.loader import load_speech_model
-        model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype)
+        model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype,
+                                  quantization=args.quantization)
     else:
         model = random_speech_model(args.tts_tokenizer, args.device, dtype)
+        quantize_llm(model.llm, args.quantization)
     load_s = time.perf_counter() - started
     print(f"model built in {load_s:.1f} s on {gpu}", flush=True)
     levels = {"read": args.concurrency, "chat": args.chat_concurrency or args.concurrency}
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "git_commit": git_commit(), "dtype": args.dtype, "weights": args.checkpoint or "random, full size",
+              "git_commit": git_commit(), "dtype": args.dtype, "quantization": args.quantization,
+              "weights": args.checkpoint or "random, full size",
               "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
               "model_build_s": load_s}
 

@@ -62,6 +62,7 @@ from .decode_graphs import MultiLengthDecodeGraphs
 from .layers import SlotKVCache, StepInputs, causal_attend
 from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
+from .quantization import check_mode as check_quantization
 from .sampling import (
     apply_repetition_penalty,
     sample_or_argmax,
@@ -111,6 +112,10 @@ class EngineOptions:
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
     admission_interval_steps: int = 4  # while streams run, admit every N steps (batches prefills)
+    quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
+
+    def __post_init__(self) -> None:
+        check_quantization(self.quantization)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -235,7 +240,7 @@ class MiniCPMOEngine:
         options = EngineOptions(**raw)  # type: ignore[arg-type]
         started = time.perf_counter()
         model = load_speech_model(options.model, options.revision, options.resolved_device(),
-                                  options.resolved_dtype())
+                                  options.resolved_dtype(), quantization=options.quantization)
         logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
         return cls(model, options)
 

@@ -1,0 +1,221 @@
+"""Quantized LLM: the official int4 GPTQ layout loads and runs end to end; int8/int4 options."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from serve_app.engines.base import SpeechRequest
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
+from serve_app.engines.minicpmo.gptq import GPTQConfig, unpack_int4
+from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend
+from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.quantization import (
+    QuantizationUnavailableError,
+    require_backend,
+)
+
+GROUP_SIZE = 16  # the tiny model's linears have 32 or 64 inputs; the real checkpoint uses 128
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROMPT = "<|im_start|>user\nPlease read the text below.\nHello there.<|im_end|>\n"
+
+
+# ---- the test's own GPTQ writer, following AutoGPTQ's QuantLinear.pack -------------------
+
+def rtn_quantize(weight: torch.Tensor, group_size: int, order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Symmetric 4-bit round-to-nearest per group, groups taken along ``order`` of the inputs
+    (act-order when it is a permutation). Returns codes [in, out], zeros and fp16 scales
+    [groups, out] and g_idx [in]."""
+    out_features, in_features = weight.shape
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = torch.arange(in_features, dtype=torch.int32) // group_size
+    groups = in_features // group_size
+    scales = torch.empty(groups, out_features)
+    for group in range(groups):
+        columns = weight[:, g_idx == group]
+        scales[group] = columns.abs().amax(dim=1) * 2 / 15
+    scales = scales.half()
+    zeros = torch.full((groups, out_features), 8, dtype=torch.int32)
+    per_input = scales.float()[g_idx.long()]  # [in, out]
+    codes = torch.clamp(torch.round(weight.t() / per_input) + 8, 0, 15).to(torch.int32)
+    return {"codes": codes, "zeros": zeros, "scales": scales, "g_idx": g_idx}
+
+
+def pack_nibbles(values: np.ndarray, axis: int) -> np.ndarray:
+    """8 values 0..15 per uint32 along ``axis``, value ``8 i + j`` in bits ``4 j``."""
+    values = np.moveaxis(values.astype(np.uint32), axis, 0)
+    packed = np.zeros((values.shape[0] // 8,) + values.shape[1:], dtype=np.uint32)
+    for j in range(8):
+        packed |= values[j::8] << np.uint32(4 * j)
+    return np.ascontiguousarray(np.moveaxis(packed, 0, axis)).view(np.int32)
+
+
+def gptq_tensors(name: str, quantized: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.qweight": torch.from_numpy(pack_nibbles(quantized["codes"].numpy(), 0)),
+        f"{name}.qzeros": torch.from_numpy(pack_nibbles(quantized["zeros"].numpy() - 1, 1)),
+        f"{name}.scales": quantized["scales"],
+        f"{name}.g_idx": quantized["g_idx"],
+    }
+
+
+def reference_dequantized(quantized: dict[str, torch.Tensor]) -> torch.Tensor:
+    g = quantized["g_idx"].long()
+    weight = quantized["scales"].float()[g] * (quantized["codes"] - quantized["zeros"][g]).float()
+    return weight.t()
+
+
+def write_int4_checkpoint(source, target) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint in the official int4 layout; returns the expected dense weights."""
+    shutil.copytree(source, target)
+    with safe_open(str(source / "model.safetensors"), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    expected = {}
+    layer = 0
+    while f"llm.model.layers.{layer}.self_attn.q_proj.weight" in tensors:
+        for linear in LINEARS:
+            name = f"llm.model.layers.{layer}.{linear}"
+            weight = tensors.pop(f"{name}.weight")
+            in_features = weight.shape[1]
+            # layer 0 in act-order (a permutation of the inputs), the others in plain order
+            order = (torch.randperm(in_features, generator=torch.Generator().manual_seed(7))
+                     if layer == 0 else torch.arange(in_features))
+            quantized = rtn_quantize(weight, GROUP_SIZE, order)
+            tensors.update(gptq_tensors(name, quantized))
+            if f"{name}.bias" in tensors:
+                tensors[f"{name}.bias"] = tensors[f"{name}.bias"].half()
+            expected[name[len("llm."):]] = reference_dequantized(quantized)
+        layer += 1
+    (target / "model.safetensors").unlink()
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "quantize_config.json").write_text(json.dumps({
+        "bits": 4, "group_size": GROUP_SIZE, "damp_percent": 0.01, "desc_act": True,
+        "static_groups": False, "sym": True, "true_sequential": True,
+        "model_name_or_path": None, "model_file_base_name": "model"}))
+    return expected
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tiny_checkpoint, tmp_path_factory):
+    target = tmp_path_factory.mktemp("int4") / "MiniCPM-o-2_6-int4"
+    return target, write_int4_checkpoint(tiny_checkpoint, target)
+
+
+def speaker_hidden(model) -> torch.Tensor:
+    tok = model.tokenizer
+    ids = tok(PROMPT + "<|im_end|>\n<|im_start|>assistant\n<|spk_bos|><|spk|>",
+              add_special_tokens=False)["input_ids"]
+    cache = SlotKVCache(model.config.llm, 1, len(ids), torch.device("cpu"), torch.float32)
+    positions = torch.arange(len(ids))[None]
+    step = StepInputs(torch.tensor([0]), positions, positions,
+                      causal_attend(positions, torch.ones_like(positions, dtype=torch.bool), len(ids) + 1))
+    with torch.inference_mode():
+        hidden = model.llm.hidden_states(torch.tensor([ids]), cache, step)
+    return hidden[0, ids.index(tok.convert_tokens_to_ids("<|spk|>"))]
+
+
+def read_audio(model) -> np.ndarray:
+    options = EngineOptions(device="cpu", dtype="float32", max_slots=2, max_chat_slots=1,
+                            tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy")
+    engine = MiniCPMOEngine(model, options)
+
+    async def run() -> np.ndarray:
+        request = SpeechRequest(request_id="int4-read", mode="read",
+                                text="Hello there, this is a quantized model speaking.")
+        (stream,) = engine.submit([request])
+        return np.concatenate([chunk.samples async for chunk in stream])
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.close()
+
+
+# ---- the GPTQ format itself ----------------------------------------------------------------
+
+def test_nibbles_unpack_lowest_first_including_the_sign_bit():
+    words = torch.from_numpy(np.array([[0x76543210], [0xF0123455]], dtype=np.uint32).view(np.int32))
+    np.testing.assert_array_equal(unpack_int4(words, 0)[:8, 0].numpy(), np.arange(8))
+    np.testing.assert_array_equal(unpack_int4(words[1:], 1)[0].numpy(), [5, 5, 4, 3, 2, 1, 0, 15])
+
+
+def test_gptq_config_from_quantize_config_or_config_json(tmp_path):
+    assert GPTQConfig.from_checkpoint(tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+        "checkpoint_format": "gptq_v2"}}))
+    assert GPTQConfig.from_checkpoint(tmp_path) == GPTQConfig(4, 128, False, True, zero_offset=0)
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 8, "group_size": 128}))
+    with pytest.raises(ValueError, match="4-bit"):
+        GPTQConfig.from_checkpoint(tmp_path)
+
+
+# ---- the official int4 layout end to end ---------------------------------------------------
+
+def test_int4_checkpoint_dequantizes_exactly_and_speaks(tiny_checkpoint, int4_checkpoint):
+    path, expected = int4_checkpoint
+    dense = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    model = load_speech_model(str(path), device="cpu", dtype=torch.float32, quantization="int4")
+    state = model.llm.state_dict()
+    for name, weight in expected.items():
+        assert torch.equal(state[f"{name}.weight"], weight), name
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    assert torch.equal(state[bias], dense.llm.state_dict()[bias].half().float())
+    # everything outside the decoder linears is the dense checkpoint's
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert torch.equal(state[name], dense.llm.state_dict()[name])
+    for (name, a), (_, b) in zip(dense.tts.state_dict().items(), model.tts.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    reference, quantized = speaker_hidden(dense), speaker_hidden(model)
+    relative = ((quantized - reference).norm() / reference.norm()).item()
+    assert relative < 0.15, relative
+    assert torch.nn.functional.cosine_similarity(quantized, reference, dim=0) > 0.99
+
+    audio = read_audio(model)
+    assert audio.dtype == np.float32 and len(audio) > 0
+    assert np.isfinite(audio).all() and np.abs(audio).max() > 0
+
+
+def test_int8_on_load_quantizes_decoder_linears_only(tiny_checkpoint):
+    pytest.importorskip("torchao")
+    dense = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32,
+                              quantization="int8")
+    layer = model.llm.model.layers[0]
+    for linear in (layer.self_attn.q_proj, layer.mlp.down_proj):
+        assert type(linear.weight).__name__ == "Int8Tensor"
+    assert type(model.llm.lm_head.weight) is torch.nn.Parameter  # lm_head stays dense
+    assert type(model.llm.model.embed_tokens.weight) is torch.nn.Parameter
+    assert all(type(p) is torch.nn.Parameter for p in model.tts.parameters())
+    reference, quantized = speaker_hidden(dense), speaker_hidden(model)
+    assert ((quantized - reference).norm() / reference.norm()).item() < 0.02
+    audio = read_audio(model)
+    assert len(audio) > 0 and np.isfinite(audio).all()
+
+
+def test_missing_torchao_is_a_clear_error_and_cpu_int4_needs_none(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    with pytest.raises(QuantizationUnavailableError, match=r"\[quant\]"):
+        require_backend("int8", torch.device("cpu"))
+    with pytest.raises(QuantizationUnavailableError, match="torchao"):
+        require_backend("int4", torch.device("cuda"))
+    require_backend("int4", torch.device("cpu"))  # dequantized weights; no torchao needed
+    require_backend("none", torch.device("cuda"))
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="int4"):
+        EngineOptions(quantization="int3")
+    with pytest.raises(ValueError, match="quantization"):
+        MiniCPMOEngine.from_options(model="unused", quantization="fp8")
