@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 from ray import serve
@@ -15,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.audio import StreamEncoder
 from serve_app.messages import EncodeJob, StreamError
+from serve_app.metrics import EncoderMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +26,12 @@ logger = logging.getLogger(__name__)
 class AudioEncoder:
     def __init__(self, synthesizer: DeploymentHandle) -> None:
         self._synthesizer = synthesizer
+        self._metrics = EncoderMetrics()
 
     async def stream(self, job: EncodeJob) -> AsyncIterator[bytes | StreamError]:
         """Encoded bytes of one stream; a rejected stream yields a single StreamError."""
+        started_s = time.perf_counter()
+        audio_s = 0.0
         chunks = self._synthesizer.synthesize.options(stream=True).remote(job.request)
         encoder: StreamEncoder | None = None
         finished = False
@@ -40,7 +45,10 @@ class AudioEncoder:
                     encoder = StreamEncoder(job.audio_format, item.sample_rate_hz,
                                             job.sample_rate_hz)
                 # Codecs take milliseconds per chunk; keep the event loop free for other streams.
+                encode_started_s = time.perf_counter()
                 data = await asyncio.to_thread(encoder.encode, item.samples)
+                self._metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
+                audio_s += item.duration_s
                 if data:
                     yield data
             if encoder is not None:
@@ -48,6 +56,8 @@ class AudioEncoder:
                 if tail:
                     yield tail
             finished = True
+            self._metrics.stream_finished(job.audio_format, audio_s,
+                                          time.perf_counter() - started_s)
         finally:
             if not finished:
                 # Our caller went away: stop the synthesizer stream too (it aborts the engine).

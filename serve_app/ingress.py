@@ -7,14 +7,17 @@ schedules anything, and every error leaves as OpenAI-style JSON.
 
 # No `from __future__ import annotations`: FastAPI must see real types on the routes.
 import asyncio
+import functools
 import hmac
 import logging
+import time
 import uuid
+from importlib import resources
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -27,6 +30,7 @@ from serve_app.config import ApiConfig
 from serve_app.engines.base import SpeechRequest
 from serve_app.errors import ApiError, error_body, error_response
 from serve_app.messages import EncodeJob, EngineInfo, StreamError
+from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
 
 logger = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ class RequestGuard:
                 body = await self._read_body(api, headers, receive)
                 receive = _replay(body, receive)
         except ApiError as error:
-            await error_response(error)(scope, receive, send)
+            await _counted(scope["app"].state, error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -111,6 +115,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _counted(state: Any, error: ApiError) -> JSONResponse:
+    """The error reply, counted in the metrics (when the deployment has set them up)."""
+    metrics: IngressMetrics | None = getattr(state, "metrics", None)
+    if metrics is not None:
+        metrics.error(error.code, error.status_code)
+    return error_response(error)
+
+
 def _validation_error(exc: RequestValidationError) -> ApiError:
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -137,13 +149,14 @@ api_app.add_middleware(RequestGuard)
 
 
 @api_app.exception_handler(ApiError)
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return _counted(request.app.state, exc)
 
 
 @api_app.exception_handler(RequestValidationError)
-async def _request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(_validation_error(exc))
+async def _request_validation_error(request: Request,
+                                    exc: RequestValidationError) -> JSONResponse:
+    return _counted(request.app.state, _validation_error(exc))
 
 
 @api_app.exception_handler(StarletteHTTPException)
@@ -156,20 +169,22 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                          code="method_not_allowed")
     else:
         error = ApiError(exc.status_code, str(exc.detail), code="http_error")
-    return error_response(error)
+    return _counted(request.app.state, error)
 
 
 @api_app.exception_handler(Exception)
-async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in the ingress")
+    _counted(request.app.state, ApiError(500, "internal server error", code="internal_error"))
     return JSONResponse(error_body(ApiError(500, "internal server error", code="internal_error",
                                             error_type="server_error")), status_code=500)
 
 
 # Helpers sit above the deployment: serve.deployment pickles the class when it is decorated.
-async def _body(first: bytes, pieces: DeploymentResponseGenerator,
-                request_id: str) -> AsyncIterator[bytes]:
+async def _body(first: bytes, pieces: DeploymentResponseGenerator, request_id: str,
+                metrics: IngressMetrics) -> AsyncIterator[bytes]:
     finished = False
+    metrics.stream_started()
     try:
         if first:
             yield first
@@ -177,12 +192,20 @@ async def _body(first: bytes, pieces: DeploymentResponseGenerator,
             if isinstance(piece, StreamError):
                 # Headers are gone: cutting the chunked body short is how HTTP says "failed".
                 logger.error("stream %s failed mid-way: %s", request_id, piece.code)
+                metrics.error(piece.code, "mid_stream")
                 raise RuntimeError("stream failed")
             yield piece
         finished = True
     finally:
+        metrics.stream_ended()
         if not finished:
             pieces.cancel()
+
+
+@functools.cache
+def _web_page() -> str:
+    """The static page (HTML, CSS and JS in one file, no external resources), read once."""
+    return (resources.files("serve_app") / "web" / "index.html").read_text("utf-8")
 
 
 def _request_id(http: Request) -> str:
@@ -199,12 +222,19 @@ class Ingress:
         self._synthesizer = synthesizer
         self._api = ApiConfig.model_validate(api)
         api_app.state.api_config = self._api
+        self._metrics = IngressMetrics()
+        api_app.state.metrics = self._metrics
         self._info: EngineInfo | None = None
 
     async def _engine_info(self) -> EngineInfo:
         if self._info is None:
             self._info = await self._synthesizer.info.remote()
         return self._info
+
+    @api_app.get("/", summary="Web page: type text, press Speak, hear it stream",
+                 response_class=HTMLResponse)
+    async def web_page(self) -> HTMLResponse:
+        return HTMLResponse(_web_page(), headers={"Cache-Control": "no-cache"})
 
     @api_app.get("/healthz", summary="Liveness")
     async def healthz(self) -> dict[str, str]:
@@ -242,6 +272,7 @@ class Ingress:
     @api_app.post("/v1/audio/speech", summary="OpenAI-compatible speech (streams)",
                   response_class=StreamingResponse)
     async def openai_speech(self, body: OpenAISpeechBody, http: Request) -> StreamingResponse:
+        received_s = time.perf_counter()
         info = await self._engine_info()
         if body.model not in (info.model_id, *self._api.model_aliases):
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
@@ -250,26 +281,27 @@ class Ingress:
         voice = "default" if body.voice in self._api.voice_aliases else body.voice
         request = SpeechRequest(request_id=_request_id(http), text=body.input, voice=voice,
                                 speed=body.speed)
-        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ)
+        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s)
 
     @api_app.post("/v1/speech/stream", summary="Native streaming speech",
                   response_class=StreamingResponse)
     async def native_speech(self, body: NativeSpeechBody, http: Request) -> StreamingResponse:
+        received_s = time.perf_counter()
         self._check_length(body.text, "text")
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
         request = SpeechRequest(request_id=_request_id(http), text=body.text, mode=body.mode,
                                 voice=body.voice, speed=body.speed, seed=body.seed)
-        return await self._stream(request, body.format, body.sample_rate)
+        return await self._stream(request, body.format, body.sample_rate, received_s)
 
     def _check_length(self, text: str, param: str) -> None:
         if len(text) > self._api.max_input_chars:
             raise ApiError(400, f"{param} is longer than {self._api.max_input_chars} characters",
                            param=param, code="string_too_long")
 
-    async def _stream(self, request: SpeechRequest, audio_format: str,
-                      sample_rate_hz: int) -> StreamingResponse:
+    async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
+                      received_s: float) -> StreamingResponse:
         job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz)
         pieces: DeploymentResponseGenerator = self._encoder.stream.options(stream=True).remote(job)
         try:
@@ -286,7 +318,10 @@ class Ingress:
         if isinstance(first, StreamError):
             raise ApiError(first.status_code, first.message, param=first.param, code=first.code,
                            error_type=first.type)
+        if first:
+            self._metrics.ttfb_s.observe(time.perf_counter() - received_s,
+                                         tags={"mode": request.mode, "format": audio_format})
         # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
         headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
-        return StreamingResponse(_body(first, pieces, request.request_id),
+        return StreamingResponse(_body(first, pieces, request.request_id, self._metrics),
                                  media_type=CONTENT_TYPES[audio_format], headers=headers)

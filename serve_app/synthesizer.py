@@ -19,8 +19,12 @@ from serve_app.config import BatchingConfig
 from serve_app.engines.base import AudioChunk, InvalidRequestError, SpeechRequest
 from serve_app.engines.registry import create_engine
 from serve_app.messages import EngineInfo, StreamError
+from serve_app.metrics import SynthesizerMetrics
 
 logger = logging.getLogger(__name__)
+
+# How often the engine gauges are refreshed while the engine is busy.
+METRICS_REFRESH_S = 0.5
 
 BatchItem = AudioChunk | StreamError
 
@@ -48,6 +52,10 @@ class Synthesizer:
         self._engine = create_engine(engine, engine_options)
         self._engine.warmup()
         self._batch_sizes: Counter[int] = Counter()
+        self._metrics = SynthesizerMetrics()
+        self._waiting_for_admission: set[str] = set()
+        self._metrics_task: asyncio.Task | None = None
+        self._refresh_metrics()
         self._batching: BatchingConfig | None = None
         self._batched: Any = None
         self._apply_batching(BatchingConfig())
@@ -81,6 +89,8 @@ class Synthesizer:
         except InvalidRequestError as exc:
             yield _invalid(exc)
             return
+        self._waiting_for_admission.add(request.request_id)
+        self._watch_metrics()
         finished = False
         try:
             async for items in self._batched(request):
@@ -91,6 +101,7 @@ class Synthesizer:
                         return
             finished = True
         finally:
+            self._waiting_for_admission.discard(request.request_id)
             # Caller gone (cancelled or closed) before the end: free the engine slot now.
             if not finished:
                 self._engine.abort(request.request_id)
@@ -102,6 +113,7 @@ class Synthesizer:
         An empty list means "nothing new yet"; ``StopIteration`` marks a finished request.
         """
         self._batch_sizes[len(requests)] += 1
+        self._waiting_for_admission.difference_update(r.request_id for r in requests)
         iterators = self._submit(requests)
         count = len(requests)
         pending: list[list[BatchItem]] = [[] for _ in range(count)]
@@ -159,6 +171,25 @@ class Synthesizer:
                 except InvalidRequestError as exc:
                     admitted.append(_invalid(exc))
             return admitted
+
+    def _watch_metrics(self) -> None:
+        if self._metrics_task is None or self._metrics_task.done():
+            self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
+
+    async def _metrics_loop(self) -> None:
+        """Refresh the engine gauges while the engine is busy, and once more when it idles."""
+        while self._refresh_metrics():
+            await asyncio.sleep(METRICS_REFRESH_S)
+
+    def _refresh_metrics(self) -> bool:
+        """Record the engine's state; True while requests wait or streams run."""
+        try:
+            stats = self._engine.stats()
+            self._metrics.refresh(stats, len(self._waiting_for_admission))
+        except Exception:  # metrics must never break serving
+            logger.exception("metrics refresh failed")
+            return False
+        return bool(self._waiting_for_admission or stats.active_streams or stats.queued_streams)
 
     def ready(self) -> bool:
         return self._ready

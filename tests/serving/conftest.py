@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ APP_NAME = "tts"
 class Server:
     base_url: str
     api_key: str
+    metrics_url: str
 
     @property
     def auth(self) -> dict[str, str]:
@@ -30,6 +32,12 @@ class Server:
         return handle.stats.remote().result()
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def server() -> Server:
     import ray
@@ -39,8 +47,12 @@ def server() -> Server:
     from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 
     # address="local": always a fresh cluster of our own, never one already running here.
+    # Ray's Prometheus export port (scripts/serve fixes it to 8080): a free one, so test
+    # sessions side by side never collide. Metrics arrive within a second (Ray's default: 10 s).
+    metrics_port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
-             log_to_driver=False)
+             log_to_driver=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
         args = AppArgs(
@@ -57,7 +69,8 @@ def server() -> Server:
         while httpx.get(f"{base_url}/readyz", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "service never became ready"
             time.sleep(0.5)
-        yield Server(base_url=base_url, api_key=API_KEY)
+        yield Server(base_url=base_url, api_key=API_KEY,
+                     metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""``serve run CONFIG`` on a local Ray whose Prometheus metrics port is fixed.
+
+``serve run`` starts Ray itself with a random metrics export port; this starts it first with
+``--metrics-port`` (Ray's ``metrics_export_port``), then hands over to ``serve run``, which
+reuses the running Ray. Prometheus scrapes http://HOST:PORT/metrics: the service's ``ray_tts_*``
+metrics and Ray Serve's ``ray_serve_*`` ones. With RAY_ADDRESS set (a cluster started by
+``ray start --head --metrics-export-port=PORT``), it joins that cluster instead.
+
+    scripts/serve_run.py serve_config.cpu.yaml --metrics-port 8080
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import ray
+from ray.serve._private.constants import SERVE_NAMESPACE
+from ray.serve.scripts import cli
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="a Serve config file (serve_config*.yaml)")
+    parser.add_argument("--metrics-port", type=int, default=8080,
+                        help="Prometheus metrics export port (default 8080)")
+    args = parser.parse_args()
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace=SERVE_NAMESPACE)
+    else:
+        ray.init(address="local", namespace=SERVE_NAMESPACE,
+                 _metrics_export_port=args.metrics_port)
+        print(f"serve_run: Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics",
+              file=sys.stderr)
+    cli.main(["run", args.config], prog_name="serve")
+
+
+if __name__ == "__main__":
+    main()

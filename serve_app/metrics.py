@@ -1,0 +1,139 @@
+"""The service's own Prometheus metrics, recorded through Ray Serve's metrics API.
+
+Ray exports them (prefixed ``ray_``) with its own on each node's metrics export port, tagged with
+the deployment, replica and application; ``scripts/serve`` fixes that port (see the README), and
+``docs/grafana/serving-dashboard.json`` charts them. Each deployment records what it alone can
+see:
+
+- Ingress: time to first byte, HTTP streams in flight, errors by code.
+- AudioEncoder: real-time factor, audio seconds produced, per-stage seconds (the engine's
+  ``AudioChunk.timings_s`` plus the encoder's own).
+- Synthesizer: engine streams, queued requests, batch occupancy, steps. (Serve itself exports
+  the ``@serve.batch`` admission: ``ray_serve_actual_batch_size``, ``ray_serve_batch_*``.)
+
+Objects here are created inside a replica (in ``__init__``), where Serve adds its tags.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from serve_app.engines.base import EngineStats
+
+# Metric names as recorded; Prometheus sees each with Ray's "ray_" prefix.
+TTFB_SECONDS = "tts_ttfb_seconds"
+HTTP_STREAMS_ACTIVE = "tts_http_streams_active"
+ERRORS_TOTAL = "tts_errors_total"
+REAL_TIME_FACTOR = "tts_real_time_factor"
+AUDIO_SECONDS_TOTAL = "tts_audio_seconds_total"
+STAGE_SECONDS = "tts_stage_seconds"
+ENGINE_ACTIVE_STREAMS = "tts_engine_active_streams"
+QUEUED_REQUESTS = "tts_queued_requests"
+ENGINE_SLOTS = "tts_engine_slots"
+ENGINE_BATCH_SIZE = "tts_engine_batch_size"
+ENGINE_BATCH_OCCUPANCY = "tts_engine_batch_occupancy"
+ENGINE_STEPS_TOTAL = "tts_engine_steps_total"
+ENGINE_STREAMS_TOTAL = "tts_engine_streams_total"
+
+ALL_METRICS: tuple[str, ...] = (
+    TTFB_SECONDS, HTTP_STREAMS_ACTIVE, ERRORS_TOTAL, REAL_TIME_FACTOR, AUDIO_SECONDS_TOTAL,
+    STAGE_SECONDS, ENGINE_ACTIVE_STREAMS, QUEUED_REQUESTS, ENGINE_SLOTS, ENGINE_BATCH_SIZE,
+    ENGINE_BATCH_OCCUPANCY, ENGINE_STEPS_TOTAL, ENGINE_STREAMS_TOTAL)
+
+TTFB_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                  5.0, 10.0]
+RTF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0]
+STAGE_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+class IngressMetrics:
+    """What the HTTP front door sees: TTFB, streams in flight, every error it answers."""
+
+    def __init__(self) -> None:
+        self.ttfb_s = Histogram(
+            TTFB_SECONDS, description="Seconds from a speech request's arrival at the ingress "
+            "to its first audio bytes", boundaries=TTFB_BUCKETS_S, tag_keys=("mode", "format"))
+        self._streams = Gauge(HTTP_STREAMS_ACTIVE,
+                              description="Audio responses streaming from this ingress replica")
+        self._errors = Counter(ERRORS_TOTAL, description="Error replies (and streams cut "
+                               "mid-way) by code and HTTP status", tag_keys=("code", "status"))
+        self._active = 0
+        self._streams.set(0)
+
+    def stream_started(self) -> None:
+        self._active += 1
+        self._streams.set(self._active)
+
+    def stream_ended(self) -> None:
+        self._active -= 1
+        self._streams.set(self._active)
+
+    def error(self, code: str | None, status: int | str) -> None:
+        self._errors.inc(tags={"code": code or "unknown", "status": str(status)})
+
+
+class EncoderMetrics:
+    """Per stream: real-time factor, audio produced, and where the time went."""
+
+    def __init__(self) -> None:
+        self._rtf = Histogram(
+            REAL_TIME_FACTOR, description="Stream wall seconds (first call to last byte) per "
+            "second of audio; below 1 is faster than real time", boundaries=RTF_BUCKETS,
+            tag_keys=("format",))
+        self._audio_s = Counter(AUDIO_SECONDS_TOTAL, description="Seconds of audio produced",
+                                tag_keys=("format",))
+        self._stage_s = Histogram(
+            STAGE_SECONDS, description="Per-stage seconds: engine timings carried by each chunk "
+            "(names ending in _s) and the encoder's own resample+encode",
+            boundaries=STAGE_BUCKETS_S, tag_keys=("stage",))
+
+    def chunk(self, timings_s: dict[str, float], encode_s: float) -> None:
+        for name, value in timings_s.items():
+            # Engines also carry counts (e.g. tts_steps); only seconds belong here.
+            if name.endswith("_s") and value >= 0:
+                self._stage_s.observe(value, tags={"stage": name[:-2]})
+        self._stage_s.observe(encode_s, tags={"stage": "encode"})
+
+    def stream_finished(self, audio_format: str, audio_s: float, wall_s: float) -> None:
+        tags = {"format": audio_format}
+        self._audio_s.inc(audio_s, tags=tags)
+        if audio_s > 0:
+            self._rtf.observe(wall_s / audio_s, tags=tags)
+
+
+class SynthesizerMetrics:
+    """Engine occupancy and queues, refreshed from ``EngineStats`` while streams run."""
+
+    def __init__(self) -> None:
+        self._active = Gauge(ENGINE_ACTIVE_STREAMS,
+                             description="Streams holding an engine batch slot")
+        self._queued = Gauge(QUEUED_REQUESTS, description="Requests waiting: for @serve.batch "
+                             "admission (stage=admission) or for an engine slot (stage=engine)",
+                             tag_keys=("stage",))
+        self._slots = Gauge(ENGINE_SLOTS, description="Batch slots of the engine (max_slots)")
+        self._batch = Gauge(ENGINE_BATCH_SIZE,
+                            description="Rows in the engine's latest step (0 when idle)")
+        self._occupancy = Gauge(ENGINE_BATCH_OCCUPANCY, description="Rows in the engine's "
+                                "latest step over its slots, 0..1 (0 when idle)")
+        self._steps = Counter(ENGINE_STEPS_TOTAL, description="Engine batch steps run")
+        self._streams = Counter(ENGINE_STREAMS_TOTAL, description="Engine streams ended, by "
+                                "outcome", tag_keys=("outcome",))
+        self._last = EngineStats()
+
+    def refresh(self, stats: EngineStats, waiting_for_admission: int) -> None:
+        busy = stats.active_streams > 0
+        batch = stats.last_batch_size if busy else 0
+        self._active.set(stats.active_streams)
+        self._queued.set(waiting_for_admission, tags={"stage": "admission"})
+        self._queued.set(stats.queued_streams, tags={"stage": "engine"})
+        self._slots.set(stats.max_slots)
+        self._batch.set(batch)
+        self._occupancy.set(batch / stats.max_slots if stats.max_slots else 0.0)
+        last = self._last
+        if stats.steps > last.steps:
+            self._steps.inc(stats.steps - last.steps)
+        for outcome in ("completed", "aborted", "failed"):
+            grown = getattr(stats, outcome) - getattr(last, outcome)
+            if grown > 0:
+                self._streams.inc(grown, tags={"outcome": outcome})
+        self._last = stats
