@@ -7,9 +7,9 @@ for that layout, so there int4 keeps the (dequantized) weights in the compute dt
 ``int8``: ``Int8WeightOnlyConfig`` (per output row), on any device.
 
 What is quantized: every ``nn.Linear`` of the decoder layers (q/k/v/o, gate/up/down). Not the
-embeddings, nor ``lm_head``: the official int4 checkpoint keeps it unquantized too, its error
-goes straight into every chat token's logits, and in bf16 it costs 1.1 GB, which an A10G can
-afford. The TTS, DVAE and Vocos are never touched.
+embeddings, nor ``lm_head``: GPTQ checkpoints made with AutoGPTQ normally keep it unquantized
+too, its error goes straight into every chat token's logits, and in bf16 it costs 1.1 GB, which
+an A10G can afford. The TTS, DVAE and Vocos are never touched.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ def _torchao_config(mode: str):
             f"quantization {mode!r} needs torchao: pip install 'minicpmo-serve[quant]' "
             f"(or pip install torchao); set quantization: none to run without it") from error
     if mode == "int4":
+        import torchao
+
+        if tuple(int(x) for x in torchao.__version__.split(".")[:2]) < (0, 18):
+            logger.warning("torchao %s clamps int4 scales at bf16 eps (0.0078): weight groups "
+                           "with a range under 0.12 lose precision; use torchao >= 0.18",
+                           torchao.__version__)
         return Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE,
                                     int4_packing_format="tile_packed_to_4d",
                                     set_inductor_config=False)
