@@ -19,7 +19,10 @@ from serve_app.synthesizer import Synthesizer
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """Bind the three deployments; the batching knobs become the synthesizer's user_config."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    api = app_args.api
     synthesizer = Synthesizer.options(user_config=app_args.batching.model_dump()).bind(
-        app_args.engine, app_args.engine_options)
-    encoder = AudioEncoder.bind(synthesizer)
+        app_args.engine, app_args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
+        chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s)
+    encoder = AudioEncoder.bind(synthesizer, first_chunk_timeout_s=api.first_chunk_timeout_s,
+                                chunk_timeout_s=api.chunk_timeout_s)
     return Ingress.bind(encoder, synthesizer, app_args.api.model_dump())

@@ -6,6 +6,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Each hop (synthesizer, encoder, ingress) waits this much longer than the one below it, so the
+# innermost timeout fires first and names the real cause.
+HOP_MARGIN_S = 5.0
+
 
 class BatchingConfig(BaseModel):
     """The synthesizer's ``@serve.batch`` admission knobs; live-changeable via ``user_config``.
@@ -28,8 +32,29 @@ class ApiConfig(BaseModel):
 
     max_input_chars: int = Field(4096, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024)
-    # Bearer key the /v1 routes require; None serves without auth. Never logged.
+    # Bearer keys the /v1 routes require (any of them); none at all serves without auth. Keys
+    # come from here, from the environment variable named by api_keys_env and from the file
+    # api_keys_file (comma- or line-separated; '#' starts a comment). Never logged.
     api_key: str | None = None
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_env: str | None = None
+    api_keys_file: str | None = None
+    # Concurrent speech streams one key may hold per ingress replica; beyond: 429.
+    max_streams_per_key: int | None = Field(None, ge=1)
+    # Concurrent speech streams per ingress replica; beyond: 503 with Retry-After.
+    max_streams: int = Field(256, ge=1)
+    # Longest audio one request may produce: the stream ends there, complete and valid.
+    max_audio_s: float = Field(600.0, gt=0)
+    # Wall-clock cap on one request; a stream still running then is cut (an error).
+    max_stream_s: float = Field(900.0, gt=0)
+    # Waits at each hop: the first audio (queueing included), each later chunk, unary handle
+    # calls, a request body that trickles in.
+    first_chunk_timeout_s: float = Field(60.0, gt=0)
+    chunk_timeout_s: float = Field(30.0, gt=0)
+    handle_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(10.0, gt=0)
+    # On shutdown or downscale, the synthesizer waits this long for its streams to finish.
+    drain_timeout_s: float = Field(60.0, ge=0)
     default_sample_rate_hz: int = 24000
     # Names /v1/models lists and /v1/audio/speech accepts besides the engine's own model id.
     model_aliases: list[str] = Field(default_factory=lambda: ["tts-1", "tts-1-hd",

@@ -8,7 +8,6 @@ schedules anything, and every error leaves as OpenAI-style JSON.
 # No `from __future__ import annotations`: FastAPI must see real types on the routes.
 import asyncio
 import functools
-import hmac
 import logging
 import time
 import uuid
@@ -26,9 +25,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app import __version__
 from serve_app.audio import CONTENT_TYPES, check_format_rate
-from serve_app.config import ApiConfig
+from serve_app.config import HOP_MARGIN_S, ApiConfig
 from serve_app.engines.base import SpeechRequest
 from serve_app.errors import ApiError, error_body, error_response
+from serve_app.guard import (
+    RETRY_AFTER,
+    SPEECH_ROUTES,
+    KeyRing,
+    RequestRecord,
+    StreamAdmission,
+    TimedPieces,
+)
+from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo, StreamError
 from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
@@ -41,10 +49,12 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class RequestGuard:
-    """ASGI middleware: auth, content type and body size, checked before any parsing.
+    """ASGI middleware: auth, content type, body size and stream admission, checked before any
+    parsing; one log line per request (:class:`RequestRecord`).
 
-    Reads the whole (bounded) POST body itself, so a chunked body without Content-Length is
-    held to the same limit, then replays it to the app.
+    Reads the whole (bounded, timed) POST body itself, so a chunked body without Content-Length
+    is held to the same limits, then replays it to the app. A speech request holds its stream
+    permit (per key and per replica) until its reply has ended.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -54,28 +64,52 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        api: ApiConfig = getattr(scope["app"].state, "api_config", None) or ApiConfig()
+        state = scope["app"].state
+        api: ApiConfig = getattr(state, "api_config", None) or ApiConfig()
+        keys: KeyRing | None = getattr(state, "keys", None)
+        if keys is None:
+            keys = KeyRing.from_config(api)
+        admission: StreamAdmission | None = getattr(state, "admission", None)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
+        record = RequestRecord(scope, headers)
+        send = record.watch(send)
         try:
-            self._check_auth(api, scope["path"], headers)
+            await self._guarded(api, keys, admission, record, headers, scope, receive, send)
+        except BaseException as exc:
+            record.failed(exc)
+            raise
+        finally:
+            record.log()
+
+    async def _guarded(self, api: ApiConfig, keys: KeyRing, admission: "StreamAdmission | None",
+                       record: RequestRecord, headers: dict[str, str], scope: Scope,
+                       receive: Receive, send: Send) -> None:
+        admitted = False
+        try:
+            if record.path.startswith("/v1/"):
+                record.key = keys.authenticate(headers.get("authorization", ""))
             if scope["method"] == "POST":
-                body = await self._read_body(api, headers, receive)
+                try:
+                    body = await asyncio.wait_for(self._read_body(api, headers, receive),
+                                                  api.body_timeout_s)
+                except TimeoutError:
+                    raise ApiError(408, f"request body not received within "
+                                        f"{api.body_timeout_s:g} s", code="request_timeout")
+                record.body_bytes = len(body)
                 receive = _replay(body, receive)
+                if admission is not None and record.path in SPEECH_ROUTES:
+                    admission.acquire(record.key)
+                    admitted = True
         except ApiError as error:
+            record.rejected(error)
             await _counted(scope["app"].state, error)(scope, receive, send)
             return
-        await self.app(scope, receive, send)
-
-    @staticmethod
-    def _check_auth(api: ApiConfig, path: str, headers: dict[str, str]) -> None:
-        if api.api_key is None or not path.startswith("/v1/"):
-            return
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 api.api_key.encode()):
-            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if admitted:
+                admission.release(record.key)
 
     @staticmethod
     async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive) -> bytes:
@@ -209,26 +243,51 @@ def _web_page() -> str:
 
 
 def _request_id(http: Request) -> str:
-    """Serve's proxy puts its request id (the client's, if sent) in the headers and the reply."""
-    return http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    """Serve's proxy puts its request id (the client's, if sent) in the headers and the reply;
+    RequestGuard keeps it (or one it made up) in the request state for its log line."""
+    return (getattr(http.state, "request_id", None) or http.headers.get(REQUEST_ID_HEADER)
+            or uuid.uuid4().hex)
 
 
-@serve.deployment(name="Ingress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
+def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz: int) -> None:
+    """What RequestGuard's log line says about a speech request; the text only at debug."""
+    http.state.speech = {"mode": request.mode, "format": audio_format, "sample_rate_hz": rate_hz,
+                         "text_chars": len(request.text)}
+    logger.debug("request %s text=%r", request.request_id, request.text)
+
+
+# Ongoing requests reach past the stream cap (api.max_streams) so that RequestGuard, not Serve's
+# proxy (plain text), answers overload with a JSON 503; the queue behind them is bounded too.
+@serve.deployment(name="Ingress", max_ongoing_requests=512, max_queued_requests=256,
+                  graceful_shutdown_timeout_s=90, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api_app)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, synthesizer: DeploymentHandle,
                  api: dict[str, Any]) -> None:
         self._encoder = encoder
         self._synthesizer = synthesizer
+        use_replica_log()
         self._api = ApiConfig.model_validate(api)
         api_app.state.api_config = self._api
+        api_app.state.keys = KeyRing.from_config(self._api)
+        api_app.state.admission = StreamAdmission(self._api.max_streams,
+                                                  self._api.max_streams_per_key)
+        logger.info("ingress: %d API keys, at most %d streams (%s per key)",
+                    len(api_app.state.keys), self._api.max_streams,
+                    self._api.max_streams_per_key or "no limit")
         self._metrics = IngressMetrics()
         api_app.state.metrics = self._metrics
         self._info: EngineInfo | None = None
 
     async def _engine_info(self) -> EngineInfo:
         if self._info is None:
-            self._info = await self._synthesizer.info.remote()
+            try:
+                self._info = await asyncio.wait_for(self._synthesizer.info.remote(),
+                                                    self._api.handle_timeout_s)
+            except Exception as exc:
+                logger.error("engine info unavailable (%s)", type(exc).__name__)
+                raise ApiError(503, "the speech engine is not available; retry shortly",
+                               code="not_ready", headers=RETRY_AFTER) from None
         return self._info
 
     @api_app.get("/", summary="Web page: type text, press Speak, hear it stream",
@@ -280,7 +339,8 @@ class Ingress:
         self._check_length(body.input, "input")
         voice = "default" if body.voice in self._api.voice_aliases else body.voice
         request = SpeechRequest(request_id=_request_id(http), text=body.input, voice=voice,
-                                speed=body.speed)
+                                speed=body.speed, max_audio_s=self._api.max_audio_s)
+        _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
         return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s)
 
     @api_app.post("/v1/speech/stream", summary="Native streaming speech",
@@ -292,7 +352,9 @@ class Ingress:
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
         request = SpeechRequest(request_id=_request_id(http), text=body.text, mode=body.mode,
-                                voice=body.voice, speed=body.speed, seed=body.seed)
+                                voice=body.voice, speed=body.speed, seed=body.seed,
+                                max_audio_s=self._api.max_audio_s)
+        _describe(http, request, body.format, body.sample_rate)
         return await self._stream(request, body.format, body.sample_rate, received_s)
 
     def _check_length(self, text: str, param: str) -> None:
@@ -302,22 +364,39 @@ class Ingress:
 
     async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
                       received_s: float) -> StreamingResponse:
+        started_s = time.perf_counter()
         job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz)
         pieces: DeploymentResponseGenerator = self._encoder.stream.options(stream=True).remote(job)
+        first_timeout_s = self._api.first_chunk_timeout_s + 2 * HOP_MARGIN_S
         try:
             # The first item tells rejection (StreamError) from audio, so the status is right.
-            first = await pieces.__anext__()
+            first = await asyncio.wait_for(pieces.__anext__(), first_timeout_s)
         except StopAsyncIteration:
             first = b""
         except BackPressureError:
             raise ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
-                           error_type="service_unavailable", headers={"Retry-After": "1"})
+                           error_type="service_unavailable", headers=RETRY_AFTER)
+        except TimeoutError:
+            pieces.cancel()
+            logger.error("request %s: no audio within %g s", request.request_id, first_timeout_s)
+            raise ApiError(504, "speech synthesis timed out", code="timeout",
+                           error_type="server_error") from None
+        except Exception as exc:
+            pieces.cancel()
+            logger.error("request %s: encoder stream failed (%s)", request.request_id,
+                         type(exc).__name__)
+            raise ApiError(503, "speech synthesis failed; retry shortly",
+                           code="synthesis_unavailable", headers=RETRY_AFTER) from None
         except BaseException:
             pieces.cancel()
             raise
         if isinstance(first, StreamError):
             raise ApiError(first.status_code, first.message, param=first.param, code=first.code,
-                           error_type=first.type)
+                           error_type=first.type,
+                           headers=RETRY_AFTER if first.status_code == 503 else None)
+        pieces = TimedPieces(pieces, request.request_id,
+                             self._api.chunk_timeout_s + 2 * HOP_MARGIN_S,
+                             self._api.max_stream_s, started_s)
         if first:
             self._metrics.ttfb_s.observe(time.perf_counter() - received_s,
                                          tags={"mode": request.mode, "format": audio_format})

@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections import Counter
 from typing import Any, AsyncIterator
 
 from ray import serve
 
 from serve_app.config import BatchingConfig
-from serve_app.engines.base import AudioChunk, InvalidRequestError, SpeechRequest
+from serve_app.engines.base import (
+    AudioChunk,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestAbortedError,
+    SpeechRequest,
+)
 from serve_app.engines.registry import create_engine
+from serve_app.logs import use_replica_log
 from serve_app.messages import EngineInfo, StreamError
 from serve_app.metrics import SynthesizerMetrics
 
@@ -34,21 +43,49 @@ def _invalid(exc: InvalidRequestError) -> StreamError:
                        code=exc.code)
 
 
-def _failed(exc: BaseException) -> StreamError:
+def _overloaded() -> StreamError:
+    return StreamError(message="the service is at capacity; retry shortly", status_code=503,
+                       code="overloaded", type="service_unavailable")
+
+
+def _failed(request_id: str, exc: BaseException) -> StreamError:
+    if isinstance(exc, EngineOverloadedError):
+        return _overloaded()
+    if not isinstance(exc, RequestAbortedError):
+        logger.error("request %s: synthesis failed (%s)", request_id, type(exc).__name__)
     # The engine's own message may name internals; the caller gets a generic one.
-    logger.warning("stream ended with %s", type(exc).__name__)
     return StreamError(message="speech synthesis failed", status_code=500,
                        code="synthesis_failed", type="server_error")
 
 
+def _timed_out(request_id: str, waited_s: float) -> StreamError:
+    logger.error("request %s: engine sent nothing for %.1f s; aborted", request_id, waited_s)
+    return StreamError(message="speech synthesis timed out", status_code=504, code="timeout",
+                       type="server_error")
+
+
 # Fractional CPU by default so the whole app fits two cores; the YAML overrides per profile.
-@serve.deployment(name="Synthesizer", max_ongoing_requests=64, health_check_period_s=10,
+# Bounded queue: beyond max_queued_requests the caller gets BackPressureError (503).
+@serve.deployment(name="Synthesizer", max_ongoing_requests=64, max_queued_requests=64,
+                  health_check_period_s=10, graceful_shutdown_timeout_s=90,
                   ray_actor_options={"num_cpus": 0.5})
 class Synthesizer:
-    """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends."""
+    """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
-    def __init__(self, engine: str, engine_options: dict[str, Any]) -> None:
+    Timeouts: a stream waits at most ``first_chunk_timeout_s`` for its first chunk and
+    ``chunk_timeout_s`` for each later one, else it is aborted and ends with a 504 error.
+    On shutdown it waits up to ``drain_timeout_s`` for active streams (Serve drains first).
+    """
+
+    def __init__(self, engine: str, engine_options: dict[str, Any],
+                 first_chunk_timeout_s: float = 60.0, chunk_timeout_s: float = 30.0,
+                 drain_timeout_s: float = 60.0) -> None:
+        use_replica_log()
         self._engine_name = engine
+        self._first_chunk_timeout_s = first_chunk_timeout_s
+        self._chunk_timeout_s = chunk_timeout_s
+        self._drain_timeout_s = drain_timeout_s
+        self._in_flight = 0
         self._engine = create_engine(engine, engine_options)
         self._engine.warmup()
         self._batch_sizes: Counter[int] = Counter()
@@ -92,15 +129,30 @@ class Synthesizer:
         self._waiting_for_admission.add(request.request_id)
         self._watch_metrics()
         finished = False
+        self._in_flight += 1
+        batches = self._batched(request)
+        timeout_s = self._first_chunk_timeout_s
         try:
-            async for items in self._batched(request):
+            while True:
+                try:
+                    items = await asyncio.wait_for(anext(batches), timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    self._engine.abort(request.request_id)
+                    finished = True
+                    yield _timed_out(request.request_id, timeout_s)
+                    return
                 for item in items:
                     yield item
                     if isinstance(item, StreamError):
                         finished = True
                         return
+                if items:
+                    timeout_s = self._chunk_timeout_s
             finished = True
         finally:
+            self._in_flight -= 1
             self._waiting_for_admission.discard(request.request_id)
             # Caller gone (cancelled or closed) before the end: free the engine slot now.
             if not finished:
@@ -130,7 +182,7 @@ class Synthesizer:
                     pending[index].append(chunk)
                     arrived.set()
             except Exception as exc:  # one failing stream never ends the others
-                pending[index].append(_failed(exc))
+                pending[index].append(_failed(requests[index].request_id, exc))
             finally:
                 done[index] = True
                 arrived.set()
@@ -162,7 +214,7 @@ class Synthesizer:
                 ) -> list[AsyncIterator[AudioChunk] | StreamError]:
         try:
             return list(self._engine.submit(requests))
-        except InvalidRequestError:
+        except (InvalidRequestError, EngineOverloadedError):
             # One bad request must not sink its batch: admit the others one by one.
             admitted: list[AsyncIterator[AudioChunk] | StreamError] = []
             for request in requests:
@@ -170,6 +222,8 @@ class Synthesizer:
                     admitted.extend(self._engine.submit([request]))
                 except InvalidRequestError as exc:
                     admitted.append(_invalid(exc))
+                except EngineOverloadedError:
+                    admitted.append(_overloaded())
             return admitted
 
     def _watch_metrics(self) -> None:
@@ -210,7 +264,23 @@ class Synthesizer:
             "batching": self._batching.model_dump(),
         }
 
-    def __del__(self) -> None:
+    def process_info(self) -> dict[str, Any]:
+        """This replica's process id and resident memory, for tests and the soak script."""
+        return {"pid": os.getpid(), "rss_bytes": _rss_bytes()}
+
+    async def __del__(self) -> None:
+        """Serve calls this after draining: wait for active streams, then close the engine."""
         engine = getattr(self, "_engine", None)
-        if engine is not None:
-            engine.close()
+        if engine is None:
+            return
+        deadline = time.monotonic() + self._drain_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self._in_flight:
+            logger.warning("shutting down with %d streams still active", self._in_flight)
+        engine.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

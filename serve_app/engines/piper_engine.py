@@ -44,11 +44,13 @@ from piper.config import PiperConfig
 from serve_app.engines.base import (
     AudioChunk,
     EngineError,
+    EngineOverloadedError,
     EngineStats,
     InvalidRequestError,
     RequestAbortedError,
     SpeechRequest,
 )
+from serve_app.engines.faults import FaultInjection, crash_process
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class _Stream:
     pieces: deque | None = None  # phoneme-id lists still to synthesize; None before phonemizing
     samples_emitted: int = 0
     started: bool = False
+    chunks_sent: int = 0
+    not_before_s: float = 0.0  # fault injection: not scheduled again before this time
 
 
 def _load_session(model_path: Path, intra_op_threads: int) -> tuple[onnxruntime.InferenceSession,
@@ -108,7 +112,8 @@ class PiperEngine:
     def __init__(self, voice: PiperVoice, has_durations: bool, *, max_batch_size: int = 8,
                  noise_scale: float | None = None, noise_w_scale: float | None = None,
                  max_sentence_phonemes: int = 400, first_piece_phonemes: int = 0,
-                 max_text_chars: int = 4096) -> None:
+                 max_text_chars: int = 4096, max_queued_streams: int = 256,
+                 fault_injection: dict[str, Any] | FaultInjection | None = None) -> None:
         self._voice = voice
         self._config: PiperConfig = voice.config
         self.sample_rate_hz: int = self._config.sample_rate
@@ -119,6 +124,9 @@ class PiperEngine:
         self._max_sentence_phonemes = max_sentence_phonemes
         self._first_piece_phonemes = first_piece_phonemes
         self._max_text_chars = max_text_chars
+        # Streams held beyond the batch's rows; more than this is refused (bounded memory).
+        self._max_queued_streams = max_queued_streams
+        self._faults = FaultInjection.from_options(fault_injection)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._stats = EngineStats(max_slots=self.max_batch_size)
         # One worker: ONNX Runtime parallelises inside a step; steps themselves are sequential.
@@ -177,6 +185,8 @@ class PiperEngine:
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
         for request in requests:
             self.validate(request)
+        if len(self._streams) + len(requests) > self.max_batch_size + self._max_queued_streams:
+            raise EngineOverloadedError("engine queue is full")
         self._ensure_loop()
         iterators = []
         now = time.perf_counter()
@@ -229,7 +239,10 @@ class PiperEngine:
             streams = self._next_streams()
             if not streams:
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), self._next_ready_in_s())
+                except TimeoutError:
+                    pass
                 continue
             started_s = time.perf_counter()
             results = await loop.run_in_executor(self._executor, self._step, streams)
@@ -243,10 +256,40 @@ class PiperEngine:
 
     def _next_streams(self) -> list[_Stream]:
         """Round robin: the first ``max_batch_size`` streams, then move them to the back."""
-        chosen = list(self._streams.values())[:self.max_batch_size]
+        now = time.monotonic()
+        chosen: list[_Stream] = []
+        for stream in list(self._streams.values()):
+            if len(chosen) == self.max_batch_size:
+                break
+            if self._faults is not None and not self._inject_fault(stream):
+                continue
+            if stream.not_before_s <= now:
+                chosen.append(stream)
         for stream in chosen:
             self._streams.move_to_end(stream.request.request_id)
         return chosen
+
+    def _next_ready_in_s(self) -> float | None:
+        """Seconds until a delayed stream may run again (None: nothing is waiting)."""
+        delayed = [s.not_before_s for s in self._streams.values() if s.not_before_s > 0]
+        return max(0.0, min(delayed) - time.monotonic()) if delayed else None
+
+    def _inject_fault(self, stream: _Stream) -> bool:
+        """Apply the configured fault to a stream; False if it must not be scheduled."""
+        assert self._faults is not None
+        action = self._faults.action(stream.request.text, stream.chunks_sent)
+        request_id = stream.request.request_id
+        if action == "crash":
+            crash_process(request_id)
+        if action == "fail":
+            self._streams.pop(request_id, None)
+            self._stats.failed += 1
+            logger.error("request %s failed: injected fault", request_id)
+            stream.queue.put_nowait(EngineError("speech synthesis failed (injected fault)"))
+            return False
+        if action == "delay" and not stream.not_before_s:
+            stream.not_before_s = time.monotonic() + self._faults.delay_s
+        return action != "stall"
 
     def _step(self, streams: list[_Stream]) -> list[np.ndarray | None | BaseException]:
         """Worker thread: next piece of each stream; None = stream has nothing (left) to say."""
@@ -294,7 +337,12 @@ class PiperEngine:
             truncated = len(samples) >= budget
             samples = samples[:max(budget, 0)]
         stream.samples_emitted += len(samples)
+        stream.chunks_sent += 1
         final = truncated or not stream.pieces
+        if (not final and self._faults is not None
+                and self._faults.action(stream.request.text, stream.chunks_sent) == "delay"):
+            # The next chunk waits again.
+            stream.not_before_s = time.monotonic() + self._faults.delay_s
         timings = {"step_s": step_s}
         if not stream.started:
             stream.started = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -10,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-PORT = 8765
+# SERVE_TEST_PORT lets two test runs share a machine.
+PORT = int(os.environ.get("SERVE_TEST_PORT", "8765"))
 API_KEY = "test-key-123"
 APP_NAME = "tts"
 

@@ -38,6 +38,7 @@ from ..base import (
     RequestAbortedError,
     SpeechRequest,
 )
+from ..faults import FaultInjection, crash_process
 from .audio_step import (
     ACTIVE,
     BOS,
@@ -113,6 +114,7 @@ class EngineOptions:
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
     admission_interval_steps: int = 4  # while streams run, admit every N steps (batches prefills)
     quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
+    fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
@@ -163,6 +165,7 @@ class _Stream:
     joiner: StreamingAudioJoiner | None = None
     first_audio_at: float | None = None
     samples_out: int = 0
+    chunks_sent: int = 0
     done: bool = False
 
     @property
@@ -224,6 +227,7 @@ class MiniCPMOEngine:
             except RuntimeError:
                 logger.exception("decode could not be captured as a CUDA graph; decoding eagerly")
         self._phase_s: dict[str, float] = collections.defaultdict(float)
+        self._faults = FaultInjection.from_options(options.fault_injection)
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
         self._thread.start()
 
@@ -400,6 +404,8 @@ class MiniCPMOEngine:
         step = next(self._step_counter)
         t = time.perf_counter()
         self._apply_aborts()
+        if self._faults is not None:
+            self._inject_faults()
         self._admit(step)
         t = self._phase("admit_prefill", t)
         self._llm_decode()
@@ -451,6 +457,17 @@ class MiniCPMOEngine:
                 self._send(stream, RequestAbortedError("aborted"))
                 with self._lock:
                     self._stats.aborted += 1
+
+    def _inject_faults(self) -> None:
+        """Fault injection (tests only): fail or crash streams whose text holds a marker."""
+        assert self._faults is not None
+        for stream in list(self._active.values()):
+            action = self._faults.action(stream.plan.request.text, stream.chunks_sent)
+            if action == "crash":
+                crash_process(stream.request_id)
+            elif action == "fail":
+                logger.error("request %s failed: injected fault", stream.request_id)
+                self._fail(stream, EngineError("speech synthesis failed (injected fault)"))
 
     def _admit(self, step: int) -> None:
         if self._active and step % max(self.options.admission_interval_steps, 1):
@@ -559,6 +576,7 @@ class MiniCPMOEngine:
         if stream.schedule is not None:
             stream.schedule.text_since_emit = ""
         stream.samples_out += len(samples)
+        stream.chunks_sent += 1
         self._send(stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
                                       SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings))
 

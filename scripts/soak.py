@@ -1,0 +1,386 @@
+"""Soak: mixed load with random disconnects, bad requests and one injected replica crash.
+
+Runs its own ``serve run`` of the CPU profile (``serve_config.cpu.yaml`` as it is, deployments and
+all, plus an API key and the engine's fault injection) on a fresh local Ray cluster, bound to
+127.0.0.1 only, for a given time; then stops it and writes a JSON report: requests accepted, completed, errored, lost (must be 0), client disconnects, status
+codes, 5xx inside and outside the crash window, TTFB, and the replicas' memory at start and end.
+
+    scripts/soak --duration-s 600 --out docs/soak-cpu.json
+
+A request is *accepted* when its 200 headers arrive; it then ends *completed* (the whole body, a
+valid stream of its format), *errored* (the chunked body cut short: the service's explicit
+mid-stream error), *disconnected* (the soak itself hung up, on purpose) or *lost* (no end within
+the client's read timeout, or a completed body that is not valid audio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "soak"
+API_KEY = "soak-key"
+CRASH_TEXT = "SOAK-CRASH-NOW"
+READ_TIMEOUT_S = 90.0
+RECOVERY_GRACE_S = 10.0
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Streaming speech should start playing within a fraction of a second.",
+    "Every accepted request ends in a complete stream or an explicit error.",
+    "Numbers like 42 and 3.14 are read aloud as words.",
+    "A client that hangs up frees its slot at once.",
+    "Short one.",
+    "This sentence, with a comma or two, keeps going for a little while longer than most.",
+]
+NATIVE_FORMATS = [("wav", 24000), ("pcm", 16000), ("mp3", 22050), ("flac", 48000),
+                  ("opus", 24000), ("wav", 8000)]
+OPENAI_FORMATS = ["mp3", "wav", "pcm", "opus", "flac"]
+MAGIC = {"wav": b"RIFF", "flac": b"fLaC", "opus": b"OggS"}
+
+
+def soak_config(config_path: Path, port: int) -> dict[str, Any]:
+    """The profile's serve config, renamed, on ``port``, with a key and the crash switch."""
+    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1",
+                              "port": port}
+    [app] = config["applications"]
+    app["name"] = APP
+    args = app["args"]
+    args["engine_options"] = {**args.get("engine_options", {}),
+                              "fault_injection": {"crash_process_text": CRASH_TEXT}}
+    args["api"] = {**args.get("api", {}), "api_key": API_KEY}
+    return config
+
+
+def start_service(config: dict[str, Any], base_url: str, log_path: Path,
+                  ready_timeout_s: float = 300) -> subprocess.Popen:
+    """``serve run`` of the config on a new local cluster, in its own process group."""
+    config_file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+    yaml.safe_dump(config, config_file)
+    config_file.close()
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
+         "--address", "local", config_file.name], cwd=ROOT, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_service(process)
+            raise SystemExit(f"soak: the service did not start; see {log_path}")
+        time.sleep(1)
+
+
+def stop_service(process: subprocess.Popen) -> None:
+    """Ctrl-C for ``serve run`` (it shuts Serve and its cluster down), then kill what is left."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(120)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def replicas() -> list[tuple[str, int, float]]:
+    """(deployment, pid, resident MiB) of this app's replica processes."""
+    import psutil
+
+    found = []
+    marker = f"ServeReplica:{APP}:"
+    for process in psutil.process_iter(["pid", "cmdline", "memory_info"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if marker in cmdline and process.info["memory_info"] is not None:
+            name = cmdline.split(marker, 1)[1].split()[0]
+            found.append((name, process.info["pid"], process.info["memory_info"].rss / 2**20))
+    return found
+
+
+def replica_memory_mb() -> dict[str, float]:
+    """Resident memory of this app's replica processes, by deployment (summed over replicas)."""
+    memory: dict[str, float] = {}
+    for name, _, rss_mb in replicas():
+        memory[name] = round(memory.get(name, 0.0) + rss_mb, 1)
+    return memory
+
+
+def synthesizer_pids() -> list[int]:
+    return sorted(pid for name, pid, _ in replicas() if name == "Synthesizer")
+
+
+@dataclass
+class Tally:
+    started_s: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counts: Counter = field(default_factory=Counter)
+    statuses: Counter = field(default_factory=Counter)
+    server_errors_at_s: list[float] = field(default_factory=list)
+    ttfb_s: list[float] = field(default_factory=list)
+    lost_examples: list[dict] = field(default_factory=list)
+    crash_sent_at_s: float | None = None
+    recovered_at_s: float | None = None
+
+    def now(self) -> float:
+        return time.monotonic() - self.started_s
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[key] += n
+
+    def status(self, code: int) -> None:
+        with self.lock:
+            self.statuses[str(code)] += 1
+            if code >= 500:
+                self.server_errors_at_s.append(self.now())
+
+
+def valid_audio(data: bytes, audio_format: str) -> bool:
+    if not data:
+        return False
+    if audio_format == "pcm":
+        return len(data) % 2 == 0
+    if audio_format == "mp3":
+        return data[:3] == b"ID3" or data[0] == 0xFF
+    return data[:4] == MAGIC[audio_format]
+
+
+def speech_request(rng: random.Random) -> tuple[str, dict[str, Any], str]:
+    text = " ".join(rng.sample(SENTENCES, rng.randint(1, 3)))
+    if rng.random() < 0.5:
+        audio_format = rng.choice(OPENAI_FORMATS)
+        return "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": text,
+                                    "response_format": audio_format}, audio_format
+    audio_format, rate = rng.choice(NATIVE_FORMATS)
+    return "/v1/speech/stream", {"text": text, "format": audio_format, "sample_rate": rate,
+                                 "speed": rng.choice([0.8, 1.0, 1.25])}, audio_format
+
+
+BAD_REQUESTS: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/audio/speech", {"content": b'{"model": "tts-1", "input": ',
+                          "headers": {"content-type": "application/json"}}),
+    ("/v1/audio/speech", {"json": {"model": "tts-1", "voice": "alloy", "input": "  "}}),
+    ("/v1/audio/speech", {"json": {"model": "tts-9", "voice": "alloy", "input": "Hi."}}),
+    ("/v1/speech/stream", {"json": {"text": "Hi.", "sample_rate": 12345}}),
+    ("/v1/speech/stream", {"json": {"text": "a" * 5000}}),
+    ("/v1/speech/stream", {"json": {"text": "Hi.", "mode": "chat"}}),
+    ("/v1/speech/stream", {"content": b"text=hi", "headers": {"content-type": "text/plain"}}),
+    ("/v1/speech/stream", {"json": {"text": "Hi."}, "headers": {"authorization": "Bearer no"}}),
+    ("/v1/speech/stream", {"content": b"x" * 70_000,
+                           "headers": {"content-type": "application/json"}}),
+]
+
+
+def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnect: bool,
+               text_override: str | None = None) -> None:
+    path, body, audio_format = speech_request(rng)
+    if text_override is not None:
+        body = {"text": text_override, "format": "pcm"}
+        path, audio_format = "/v1/speech/stream", "pcm"
+    started_s = time.monotonic()
+    tally.add("requests_sent")
+    accepted = False
+    data = b""
+    try:
+        with client.stream("POST", path, json=body) as response:
+            tally.status(response.status_code)
+            if response.status_code != 200:
+                response.read()
+                kind = "rejected_5xx" if response.status_code >= 500 else "rejected_4xx"
+                tally.add(kind)
+                if not response.headers.get("content-type", "").startswith("application/json"):
+                    tally.add("non_json_errors")
+                return
+            accepted = True
+            tally.add("accepted")
+            for piece in response.iter_raw():
+                if not data:
+                    with tally.lock:
+                        tally.ttfb_s.append(time.monotonic() - started_s)
+                data += piece
+                if disconnect:
+                    tally.add("client_disconnects")
+                    return
+    except httpx.TimeoutException:
+        tally.add("lost" if accepted else "timeouts_before_headers")
+        with tally.lock:
+            tally.lost_examples.append({"path": path, "at_s": round(tally.now(), 1)})
+        return
+    except httpx.HTTPError:
+        tally.add("errored" if accepted else "connection_errors")
+        return
+    if valid_audio(data, audio_format):
+        tally.add("completed")
+        with tally.lock:
+            if (tally.crash_sent_at_s is not None and tally.recovered_at_s is None
+                    and started_s - tally.started_s > tally.crash_sent_at_s):
+                tally.recovered_at_s = tally.now()
+    else:
+        tally.add("lost")
+        with tally.lock:
+            tally.lost_examples.append({"path": path, "format": audio_format,
+                                        "bytes": len(data), "at_s": round(tally.now(), 1)})
+
+
+def one_bad(client: httpx.Client, tally: Tally, rng: random.Random) -> None:
+    path, kwargs = rng.choice(BAD_REQUESTS)
+    tally.add("requests_sent")
+    tally.add("bad_requests_sent")
+    response = client.post(path, **kwargs)
+    tally.status(response.status_code)
+    tally.add("rejected_5xx" if response.status_code >= 500 else "rejected_4xx")
+    if response.status_code == 200:
+        tally.add("bad_request_accepted")
+    if not response.headers.get("content-type", "").startswith("application/json"):
+        tally.add("non_json_errors")
+
+
+def worker(base_url: str, deadline_s: float, tally: Tally, seed: int) -> None:
+    rng = random.Random(seed)
+    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
+    with httpx.Client(base_url=base_url, timeout=timeout,
+                      headers={"authorization": f"Bearer {API_KEY}"}) as client:
+        while time.monotonic() < deadline_s:
+            roll = rng.random()
+            try:
+                if roll < 0.55:
+                    one_speech(client, tally, rng, disconnect=False)
+                elif roll < 0.70:
+                    one_speech(client, tally, rng, disconnect=True)
+                elif roll < 0.90:
+                    one_bad(client, tally, rng)
+                else:
+                    tally.add("requests_sent")
+                    response = client.get(rng.choice(["/v1/models", "/v1/voices", "/healthz"]))
+                    tally.status(response.status_code)
+            except httpx.HTTPError:
+                tally.add("connection_errors")
+
+
+def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
+    time.sleep(max(0.0, crash_at_s - tally.now()))
+    with tally.lock:
+        tally.crash_sent_at_s = tally.now()
+    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
+    with httpx.Client(base_url=base_url, timeout=timeout,
+                      headers={"authorization": f"Bearer {API_KEY}"}) as client:
+        one_speech(client, tally, random.Random(0), disconnect=False,
+                   text_override=f"{CRASH_TEXT} " + " ".join(SENTENCES))
+
+
+def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: float | None,
+             seed: int = 1) -> dict[str, Any]:
+    """Drive the app at ``base_url`` (already deployed as ``APP``) and return the report."""
+    memory_start = replica_memory_mb()
+    pids_before = synthesizer_pids()
+    tally = Tally()
+    deadline_s = tally.started_s + duration_s
+    threads = [threading.Thread(target=worker, args=(base_url, deadline_s, tally, seed + i))
+               for i in range(concurrency)]
+    if crash_at_s is not None:
+        threads.append(threading.Thread(target=crasher, args=(base_url, crash_at_s, tally)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(duration_s + READ_TIMEOUT_S + 60)
+    still_running = sum(thread.is_alive() for thread in threads)
+    elapsed_s = tally.now()
+    memory_end = replica_memory_mb()
+    counts = tally.counts
+    window = None
+    if tally.crash_sent_at_s is not None:
+        end = (tally.recovered_at_s if tally.recovered_at_s is not None else elapsed_s)
+        window = [round(tally.crash_sent_at_s, 1), round(end + RECOVERY_GRACE_S, 1)]
+    outside = [t for t in tally.server_errors_at_s
+               if window is None or not window[0] <= t <= window[1]]
+    ttfb = sorted(tally.ttfb_s)
+    return {
+        "profile": "cpu (serve_config.cpu.yaml, piper)",
+        "duration_s": round(elapsed_s, 1),
+        "concurrency": concurrency,
+        "requests_sent": counts["requests_sent"],
+        "accepted": counts["accepted"],
+        "completed": counts["completed"],
+        "errored": counts["errored"],
+        "client_disconnects": counts["client_disconnects"],
+        "lost": counts["lost"] + still_running,
+        "lost_examples": tally.lost_examples[:10],
+        "rejected_4xx": counts["rejected_4xx"],
+        "rejected_5xx": counts["rejected_5xx"],
+        "bad_requests_sent": counts["bad_requests_sent"],
+        "bad_request_accepted": counts["bad_request_accepted"],
+        "non_json_errors": counts["non_json_errors"],
+        "timeouts_before_headers": counts["timeouts_before_headers"],
+        "connection_errors": counts["connection_errors"],
+        "status_codes": dict(sorted(tally.statuses.items())),
+        "5xx_total": len(tally.server_errors_at_s),
+        "5xx_outside_crash_window": len(outside),
+        "crash": {"sent_at_s": tally.crash_sent_at_s and round(tally.crash_sent_at_s, 1),
+                  "recovered_at_s": tally.recovered_at_s and round(tally.recovered_at_s, 1),
+                  "window_s": window, "synthesizer_pids_before": pids_before,
+                  "synthesizer_pids_after": synthesizer_pids()},
+        "ttfb_ms": {"p50": round(1000 * statistics.median(ttfb), 1) if ttfb else None,
+                    "p95": round(1000 * ttfb[int(0.95 * (len(ttfb) - 1))], 1) if ttfb else None},
+        "memory_rss_mb": {"start": memory_start, "end": memory_end},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--crash-at-s", type=float, default=None,
+                        help="when to crash the synthesizer (default: a third of the way in)")
+    parser.add_argument("--no-crash", action="store_true")
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--config", type=Path, default=ROOT / "serve_config.cpu.yaml")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "soak-cpu.json")
+    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "soak-serve.log",
+                        help="where the service's own output goes")
+    options = parser.parse_args()
+
+    base_url = f"http://127.0.0.1:{options.port}"
+    service = start_service(soak_config(options.config, options.port), base_url, options.log)
+    try:
+        crash_at_s = None if options.no_crash else (
+            options.crash_at_s if options.crash_at_s is not None else options.duration_s / 3)
+        report = run_load(base_url, options.duration_s, options.concurrency, crash_at_s)
+        report["config"] = str(options.config.relative_to(ROOT)
+                               if options.config.is_relative_to(ROOT) else options.config)
+    finally:
+        stop_service(service)
+    options.out.parent.mkdir(parents=True, exist_ok=True)
+    options.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(report, indent=2))
+    print(f"soak: report written to {options.out}")
+    if report["lost"] or report["5xx_outside_crash_window"]:
+        raise SystemExit("soak: FAILED (lost streams or 5xx outside the crash window)")
+
+
+if __name__ == "__main__":
+    main()

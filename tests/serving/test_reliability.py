@@ -1,0 +1,463 @@
+"""Reliability rules on a real app over HTTP: auth, limits, overload, disconnects, faults, drain.
+
+A second application ("hardened", under /hardened) runs beside the session's app, with small
+limits, several keys (a file and an environment variable) and the engine's fault injection on,
+so crashing its synthesizer never disturbs the other tests. Its last test deletes it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from serve_app.config import ApiConfig, AppArgs, BatchingConfig
+from tests.audio.decoding import decode_audio
+from tests.serving.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+APP = "hardened"
+PREFIX = "/hardened"
+FILE_KEYS = ["file-key-a", "file-key-b", "file-key-c", "file-key-d"]
+ENV_KEY = "env-key-e"
+KEYS_ENV = "TTS_HARDENED_TEST_KEYS"
+FAIL, CRASH, STALL, SLOW = "FAIL-NOW", "CRASH-NOW", "STALL-NOW", "SLOW-NOW"
+LONG_TEXT = " ".join(f"This is sentence number {n} of a longer text." for n in range(1, 9))
+# Several chunks, and short enough to finish well within MAX_STREAM_S on a busy machine.
+TEXT = "Hello from the serving stack. This second sentence is a little longer. And a third."
+MAX_AUDIO_S = 30.0
+MAX_STREAM_S = 16.0
+# Generous for a busy two-core machine; SLOW's delay stays well below the chunk timeout.
+FIRST_CHUNK_TIMEOUT_S = 12.0
+CHUNK_TIMEOUT_S = 10.0
+SLOW_DELAY_S = 2.0
+BODY_TIMEOUT_S = 2.0
+SYNTH_MAX_ONGOING = 4
+SYNTH_MAX_QUEUED = 2
+MAX_STREAMS = 8
+
+
+def hardened_args(keys_file: Path) -> AppArgs:
+    return AppArgs(
+        engine="piper",
+        engine_options={"intra_op_threads": 1, "max_batch_size": 8, "first_piece_phonemes": 50,
+                        "fault_injection": {"fail_request_text": FAIL,
+                                            "crash_process_text": CRASH,
+                                            "stall_request_text": STALL,
+                                            "delay_request_text": SLOW,
+                                            "delay_s": SLOW_DELAY_S}},
+        batching=BatchingConfig(max_batch_size=8, batch_wait_timeout_s=0.01,
+                                max_concurrent_batches=4),
+        api=ApiConfig(api_keys_file=str(keys_file), api_keys_env=KEYS_ENV,
+                      max_streams_per_key=2, max_streams=MAX_STREAMS, max_audio_s=MAX_AUDIO_S,
+                      max_stream_s=MAX_STREAM_S, first_chunk_timeout_s=FIRST_CHUNK_TIMEOUT_S,
+                      chunk_timeout_s=CHUNK_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S,
+                      drain_timeout_s=30),
+    )
+
+
+def deploy(args: AppArgs, synth_replicas: int = 1) -> None:
+    """build_app's graph, with small CPU shares and tight queues, the env key on the ingress.
+
+    Deploying it again with another replica count only scales the synthesizer.
+    """
+    from ray import serve
+
+    from serve_app.encoder import AudioEncoder
+    from serve_app.ingress import Ingress
+    from serve_app.synthesizer import Synthesizer
+
+    api = args.api
+    synthesizer = Synthesizer.options(
+        num_replicas=synth_replicas, max_ongoing_requests=SYNTH_MAX_ONGOING,
+        max_queued_requests=SYNTH_MAX_QUEUED, graceful_shutdown_timeout_s=30,
+        ray_actor_options={"num_cpus": 0.2}, user_config=args.batching.model_dump(),
+    ).bind(args.engine, args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
+           chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s)
+    encoder = AudioEncoder.options(ray_actor_options={"num_cpus": 0.05},
+                                   graceful_shutdown_timeout_s=30).bind(
+        synthesizer, first_chunk_timeout_s=api.first_chunk_timeout_s,
+        chunk_timeout_s=api.chunk_timeout_s)
+    ingress = Ingress.options(
+        graceful_shutdown_timeout_s=30,
+        ray_actor_options={"num_cpus": 0.05,
+                           "runtime_env": {"env_vars": {KEYS_ENV: ENV_KEY}}},
+    ).bind(encoder, synthesizer, api.model_dump())
+    serve.run(ingress, name=APP, route_prefix=PREFIX)
+
+
+@dataclass
+class Hardened:
+    base_url: str
+    args: AppArgs
+    reference_pcm: dict[str, bytes] = field(default_factory=dict)
+
+    def client(self, key: str = FILE_KEYS[0], timeout: float = 60) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout,
+                            headers={"authorization": f"Bearer {key}"})
+
+    def handle(self):
+        from ray import serve
+
+        return serve.get_deployment_handle("Synthesizer", app_name=APP)
+
+    def engine(self) -> dict:
+        return self.handle().stats.remote().result()["engine"]
+
+    def wait_engine(self, predicate, timeout_s: float = 15) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.engine()
+            if predicate(stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def hardened(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Hardened:
+    from ray import serve
+
+    keys_file = tmp_path_factory.mktemp("keys") / "api_keys.txt"
+    keys_file.write_text("# one key per line, or comma-separated\n"
+                         f"{FILE_KEYS[0]}\n{FILE_KEYS[1]}, {FILE_KEYS[2]}\n{FILE_KEYS[3]}\n")
+    args = hardened_args(keys_file)
+    deploy(args)
+    app = Hardened(base_url=f"{server.base_url}{PREFIX}", args=args)
+    yield app
+    if APP in serve.status().applications:
+        serve.delete(APP)
+
+
+def speak(client: httpx.Client, text: str, **body) -> httpx.Response:
+    return client.post("/v1/speech/stream", json={"text": text, "format": "pcm", **body})
+
+
+@dataclass
+class StreamResult:
+    status: int | None = None
+    body: bytes = b""
+    error: str | None = None  # how the body ended, if not cleanly
+    json: dict | None = None
+    headers: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+def stream_all(client: httpx.Client, text: str, first_chunk: threading.Event | None = None,
+               **body) -> StreamResult:
+    """Read a whole streamed reply; a cut body is reported, not raised."""
+    result = StreamResult()
+    started = time.monotonic()
+    try:
+        with client.stream("POST", "/v1/speech/stream",
+                           json={"text": text, "format": "pcm", **body}) as response:
+            result.status = response.status_code
+            result.headers = dict(response.headers)
+            if response.status_code != 200:
+                response.read()
+                result.json = response.json()
+                return result
+            for piece in response.iter_raw():
+                result.body += piece
+                if first_chunk is not None:
+                    first_chunk.set()
+    except httpx.HTTPError as exc:  # a body cut short: RemoteProtocolError
+        result.error = type(exc).__name__
+    finally:
+        result.elapsed_s = time.monotonic() - started
+        if first_chunk is not None:
+            first_chunk.set()
+    return result
+
+
+def assert_json_error(response_or_result, status: int, code: str | None = None) -> dict:
+    if isinstance(response_or_result, StreamResult):
+        got, payload, headers = (response_or_result.status, response_or_result.json,
+                                 response_or_result.headers)
+    else:
+        got, headers = response_or_result.status_code, response_or_result.headers
+        assert headers["content-type"].startswith("application/json")
+        payload = response_or_result.json()
+    assert got == status, (got, payload)
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code is not None:
+        assert error["code"] == code, error
+    if status in (429, 503):
+        assert int(headers["retry-after"]) >= 1
+    return error
+
+
+def reference(app: Hardened, text: str) -> bytes:
+    """The stream's PCM when served alone (seeded, so reproducible)."""
+    if text not in app.reference_pcm:
+        with app.client() as client:
+            response = speak(client, text, seed=3)
+        assert response.status_code == 200
+        app.reference_pcm[text] = response.content
+    return app.reference_pcm[text]
+
+
+def assert_same_audio(served: bytes, expected: bytes) -> None:
+    assert len(served) == len(expected)
+    a = np.frombuffer(served, "<i2").astype(np.int32)
+    b = np.frombuffer(expected, "<i2").astype(np.int32)
+    # A row batched with others may differ by float rounding (see test_speech_api).
+    assert np.max(np.abs(a - b)) <= 2
+
+
+# ---- auth --------------------------------------------------------------------------------
+
+def test_keys_from_file_and_env_are_accepted_in_constant_time_and_others_get_401(
+        hardened: Hardened) -> None:
+    for key in (*FILE_KEYS, ENV_KEY):
+        with hardened.client(key) as client:
+            assert speak(client, "Hi.").status_code == 200, key
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": f"Basic {ENV_KEY}"},
+                    {"authorization": f"Bearer {FILE_KEYS[0]}x"}):
+        response = httpx.post(f"{hardened.base_url}/v1/speech/stream", json={"text": "Hi."},
+                              headers=headers, timeout=30)
+        assert_json_error(response, 401, "invalid_api_key")
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_per_key_stream_limit_answers_429_and_frees_on_close(hardened: Hardened) -> None:
+    key = FILE_KEYS[1]
+    with hardened.client(key) as one, hardened.client(key) as two, \
+            hardened.client(key) as three:
+        with one.stream("POST", "/v1/speech/stream", json={"text": f"{SLOW} {LONG_TEXT}"}) as a, \
+                two.stream("POST", "/v1/speech/stream",
+                           json={"text": f"{SLOW} {LONG_TEXT}"}) as b:
+            assert a.status_code == b.status_code == 200
+            assert_json_error(speak(three, "Hi."), 429, "too_many_streams")
+            with hardened.client(FILE_KEYS[2]) as other:
+                assert speak(other, "Hi.").status_code == 200  # other keys are unaffected
+        # Both streams closed: the key's permits come back.
+        deadline = time.monotonic() + 10
+        while (status := speak(three, "Hi.").status_code) == 429 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status == 200
+
+
+# ---- limits and timeouts -----------------------------------------------------------------
+
+def test_audio_per_request_is_capped_at_max_audio_s_and_ends_cleanly(hardened: Hardened) -> None:
+    with hardened.client() as client:
+        response = speak(client, LONG_TEXT * 3, sample_rate=16000)
+    assert response.status_code == 200
+    samples, _ = decode_audio(response.content, "pcm", 16000)
+    assert abs(len(samples) - MAX_AUDIO_S * 16000) <= 2
+
+
+def test_a_body_that_never_arrives_gets_408_json(hardened: Hardened) -> None:
+    host, port = hardened.base_url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        raw.sendall((f"POST {PREFIX}/v1/speech/stream HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Authorization: Bearer {FILE_KEYS[0]}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{").encode())
+        started = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            piece = raw.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    assert time.monotonic() - started >= BODY_TIMEOUT_S - 0.5
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    assert b'"code":"request_timeout"' in body
+
+
+def test_a_stalled_engine_stream_times_out_with_504_json_and_frees_its_slot(
+        hardened: Hardened) -> None:
+    aborted = hardened.engine()["aborted"]
+    started = time.monotonic()
+    with hardened.client() as client:
+        response = speak(client, f"{STALL} {LONG_TEXT}")
+    assert_json_error(response, 504, "timeout")
+    waited_s = time.monotonic() - started
+    assert FIRST_CHUNK_TIMEOUT_S - 0.5 <= waited_s <= FIRST_CHUNK_TIMEOUT_S + 5
+    stats = hardened.wait_engine(lambda s: s["aborted"] > aborted)
+    assert stats["aborted"] == aborted + 1 and stats["active_streams"] == 0
+
+
+def test_a_slow_stream_is_cut_at_the_wall_clock_limit(hardened: Hardened) -> None:
+    with hardened.client() as client:
+        # Each chunk in time, but over ten of them 2 s apart: the wall-clock limit ends it.
+        result = stream_all(client, f"{SLOW} {LONG_TEXT * 4}")
+    assert result.status == 200 and result.error is not None
+    assert MAX_STREAM_S - 0.5 <= result.elapsed_s <= MAX_STREAM_S + 5
+    assert hardened.wait_engine(lambda s: s["active_streams"] == 0)["active_streams"] == 0
+
+
+# ---- overload ----------------------------------------------------------------------------
+
+def test_overload_beyond_the_bounded_queues_is_503_json_with_retry_after(
+        hardened: Hardened) -> None:
+    keys = [*FILE_KEYS, ENV_KEY]
+
+    def one(index: int) -> StreamResult:
+        with hardened.client(keys[index % len(keys)]) as client:
+            # One chunk, 2 s late: the queued ones get their turn in time.
+            return stream_all(client, f"{SLOW} Hi.")
+
+    # More streams than the synthesizer runs and queues (4 + 2) and than the ingress admits (8).
+    with ThreadPoolExecutor(MAX_STREAMS + 2) as pool:
+        results = list(pool.map(one, range(MAX_STREAMS + 2)))
+    statuses = sorted(r.status for r in results)
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(503) >= MAX_STREAMS + 2 - SYNTH_MAX_ONGOING - SYNTH_MAX_QUEUED
+    for result in results:
+        if result.status == 503:
+            assert_json_error(result, 503)
+    # Afterwards everything is released and the service serves normally.
+    assert hardened.wait_engine(lambda s: s["active_streams"] == 0)["active_streams"] == 0
+    with hardened.client() as client:
+        assert speak(client, "Hi.").status_code == 200
+
+
+# ---- disconnects and fault isolation -----------------------------------------------------
+
+def test_disconnect_frees_the_slot_at_once_and_leaves_other_streams_untouched(
+        hardened: Hardened) -> None:
+    expected = reference(hardened, TEXT)
+    before = hardened.engine()
+    other_started = threading.Event()
+    with ThreadPoolExecutor(1) as pool, hardened.client(FILE_KEYS[3]) as client:
+        other = pool.submit(stream_all, hardened.client(FILE_KEYS[2]), TEXT,
+                            other_started, seed=3)
+        other_started.wait(30)
+        with client.stream("POST", "/v1/speech/stream",
+                           json={"text": LONG_TEXT * 3, "format": "pcm"}) as response:
+            next(response.iter_raw())
+        # Closed: the abort reaches the engine and frees the slot in the same call.
+        stats = hardened.wait_engine(lambda s: s["aborted"] > before["aborted"])
+        assert stats["aborted"] == before["aborted"] + 1
+        assert stats["active_streams"] <= 1  # at most the other stream is left
+        result = other.result(60)
+    assert result.status == 200 and result.error is None
+    assert_same_audio(result.body, expected)
+    assert hardened.engine()["completed"] >= before["completed"] + 1
+
+
+def test_a_failing_request_ends_its_stream_with_an_error_and_the_others_continue(
+        hardened: Hardened) -> None:
+    expected = reference(hardened, TEXT)
+    failed = hardened.engine()["failed"]
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(stream_all, hardened.client(FILE_KEYS[2]), TEXT, seed=3)
+        bad = pool.submit(stream_all, hardened.client(FILE_KEYS[3]), f"{FAIL} {TEXT}")
+        good_result, bad_result = good.result(60), bad.result(60)
+    # Headers had gone out: the chunked body is cut without its final chunk.
+    assert bad_result.status == 200 and bad_result.error == "RemoteProtocolError"
+    assert good_result.status == 200 and good_result.error is None
+    assert_same_audio(good_result.body, expected)
+    assert hardened.engine()["failed"] == failed + 1
+
+
+def serve_logs() -> dict[str, str]:
+    import ray
+
+    logs_dir = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    # Serve's replica logs are also echoed to the workers' stderr files: count lines in one.
+    return {path: Path(path).read_text(errors="replace")
+            for path in glob.glob(str(logs_dir / "**" / "*"), recursive=True)
+            if os.path.isfile(path) and not path.endswith((".pb", ".gz"))}
+
+
+def test_one_log_line_per_request_with_id_mode_sizes_ttfb_outcome_and_no_secrets(
+        hardened: Hardened) -> None:
+    secret_text = "Purple elephants whisper quietly at midnight."
+    with hardened.client(FILE_KEYS[0]) as client:
+        ok = speak(client, secret_text)
+    request_id = ok.headers["x-request-id"]
+    time.sleep(1.0)
+    logs = serve_logs()
+    lines = [line for path, text in logs.items() if "/serve/replica_" in path
+             for line in text.splitlines() if f"id={request_id}" in line]
+    assert len(lines) == 1, lines
+    for part in ("mode=read", "format=pcm", "status=200", "outcome=ok", "ttfb_ms=",
+                 f"text_chars={len(secret_text)}", "body_bytes=", "bytes_out=", "key=key#"):
+        assert part in lines[0], (part, lines[0])
+    for path, text in logs.items():
+        if not ("/serve/" in path or "/worker-" in path):
+            continue  # Ray's own records of the test's runtime_env hold the env key
+        for secret in (*FILE_KEYS, ENV_KEY, secret_text):
+            assert secret not in text, (secret, path)
+
+
+def test_a_crashed_synthesizer_is_restarted_and_its_streams_end_with_an_error(
+        hardened: Hardened) -> None:
+    old_pid = hardened.handle().process_info.remote().result()["pid"]
+    started = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        innocent = [pool.submit(stream_all, hardened.client(key), LONG_TEXT * 2, started)
+                    for key in FILE_KEYS[:2]]
+        started.wait(30)
+        crasher = pool.submit(stream_all, hardened.client(FILE_KEYS[2]), f"{CRASH} {TEXT}")
+        results = [future.result(90) for future in (*innocent, crasher)]
+    # Nothing hangs; the crasher and every stream on the dead replica end with an error.
+    for result in results:
+        assert result.elapsed_s < 60
+        cut = result.status == 200 and result.error is not None
+        refused = (result.status or 0) >= 500 and result.json is not None
+        assert cut or refused, result
+    # Serve restarts the replica; new requests succeed on the new process.
+    deadline = time.monotonic() + 120
+    with hardened.client() as client:
+        while True:
+            response = speak(client, "Back again.")
+            if response.status_code == 200:
+                break
+            assert response.status_code in (503, 504), response.text
+            assert time.monotonic() < deadline, "the synthesizer never came back"
+            time.sleep(0.5)
+    assert hardened.handle().process_info.remote().result()["pid"] != old_pid
+
+
+def test_scaling_down_while_streaming_finishes_every_started_stream(hardened: Hardened) -> None:
+    """Serve replaces or removes replicas gracefully: a stream that got its 200 plays to the end.
+
+    (Serve redeploys every replica on a new serve.run, so the old ones drain here too; a request
+    that lands in the switch may get a 503 with Retry-After, never a cut stream.)
+    """
+    expected = reference(hardened, TEXT)
+    deploy(hardened.args, synth_replicas=2)
+    started = [threading.Event() for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream_all, hardened.client(key), TEXT, event, seed=3)
+                   for key, event in zip((*FILE_KEYS[:2], *FILE_KEYS[:2]), started)]
+        for event in started:
+            event.wait(30)
+        deploy(hardened.args, synth_replicas=1)
+        results = [future.result(120) for future in futures]
+    assert sum(result.status == 200 for result in results) >= 2, results
+    for result in results:
+        if result.status == 503:
+            assert_json_error(result, 503)
+            continue
+        assert result.status == 200 and result.error is None, result
+        assert_same_audio(result.body, expected)
+
+
+def test_shutdown_drains_streams_in_flight(hardened: Hardened) -> None:
+    from ray import serve
+
+    expected = reference(hardened, TEXT)
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(stream_all, hardened.client(), TEXT, started, seed=3)
+        started.wait(30)
+        serve.delete(APP, _blocking=False)
+        result = future.result(120)
+    assert result.status == 200 and result.error is None, result
+    assert_same_audio(result.body, expected)

@@ -1,0 +1,36 @@
+"""scripts/soak for a minute: mixed load, disconnects, bad requests and one replica crash."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DURATION_S = 60
+
+
+def test_a_minute_of_mixed_load_with_a_crash_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration-s", str(DURATION_S),
+         "--crash-at-s", "20", "--concurrency", "4", "--port", "8791", "--out", str(out),
+         "--log", str(tmp_path / "serve.log")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["lost"] == 0, report
+    assert report["5xx_outside_crash_window"] == 0, report
+    assert report["non_json_errors"] == 0 and report["bad_request_accepted"] == 0, report
+    assert report["completed"] > 0 and report["client_disconnects"] > 0, report
+    assert report["rejected_4xx"] > 0, report
+    crash = report["crash"]
+    assert crash["recovered_at_s"] is not None, report
+    assert set(crash["synthesizer_pids_after"]) != set(crash["synthesizer_pids_before"]), report
+    assert report["memory_rss_mb"]["end"].get("Synthesizer"), report
+    assert result.returncode == 0, result.stderr[-3000:]
