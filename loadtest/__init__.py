@@ -1,0 +1,1 @@
+"""Load tests (Locust), their reports, and the multi-node autoscaling demonstration."""

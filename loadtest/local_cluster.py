@@ -1,0 +1,249 @@
+"""A real multi-node Ray cluster on one machine: a head and worker nodes, each its own `ray start`.
+
+Every node is a separate ``ray start --block`` process with its own ports, all of them chosen
+free up front (never Ray's defaults, which a second cluster on the machine would collide with),
+sharing one private temp dir, so ``ray.init()`` elsewhere on the machine never finds this cluster.
+The cluster uses token authentication with a token made for this run alone. Every process it
+starts carries a marker in its environment; :meth:`LocalCluster.stop` ends exactly those (never
+``ray stop``, which would end every Ray on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MARKER_ENV = "LOCAL_RAY_CLUSTER_ID"
+RAY = str(Path(sys.executable).parent / "ray")
+STARTED_LINE = "Ray runtime started"
+START_ATTEMPTS = 3
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports the OS calls free now (outside Ray's default worker range 10002-19999)."""
+    with ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            probe = stack.enter_context(socket.socket())
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+            if not 10002 <= port <= 19999:
+                ports.append(port)
+        return ports
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Processes whose environment has ``name=value``: the ones a marked launcher started."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def end_marked_processes(name: str, value: str, grace_s: float = 10.0) -> list[int]:
+    """SIGTERM, then after ``grace_s`` SIGKILL, every process carrying the marker; returns them."""
+    pids = pids_with_env(name, value)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        alive = pids_with_env(name, value)
+        if not alive:
+            break
+        for pid in alive:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while pids_with_env(name, value) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return pids
+
+
+def _kill_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal the process group a launcher started with ``start_new_session``."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Node:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+@dataclass
+class LocalCluster:
+    """Head plus ``len(worker_resources)`` workers; use as a context manager (stops on exit)."""
+
+    head_cpus: int = 1
+    worker_cpus: int = 1
+    worker_resources: list[dict[str, float]] = field(
+        default_factory=lambda: [{"gpu_like": 1.0}, {"gpu_like": 1.0}])
+    object_store_bytes: int = 100 * 1024 * 1024
+    start_timeout_s: float = 180.0
+    nodes: list[Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # A caller may pick the marker (LOCAL_RAY_CLUSTER_ID) to clean up after a killed run.
+        self.cluster_id = os.environ.get(MARKER_ENV) or secrets.token_hex(8)
+        # Short path: Ray's socket paths live under it and Unix sockets allow ~107 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))
+        self.token_path = self.temp_dir / "auth_token"
+        self.token_path.write_text(secrets.token_hex(32))
+        self.token_path.chmod(0o600)
+        self.gcs_port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for this cluster's processes and for a driver that joins it."""
+        return {
+            **os.environ,
+            MARKER_ENV: self.cluster_id,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ADDRESS": self.address,
+        }
+
+    def start(self) -> LocalCluster:
+        try:
+            self._start_head()
+            for index, resources in enumerate(self.worker_resources, start=1):
+                self._start_worker(index, resources)
+        except BaseException:
+            self.stop(keep_logs_in=Path(tempfile.gettempdir()) / f"rc-failed-{self.cluster_id}")
+            raise
+        return self
+
+    def _start_head(self) -> None:
+        def args() -> list[str]:
+            (self.gcs_port, node_manager, object_manager, client_server, dashboard, agent_http,
+             agent_grpc, runtime_env_agent, metrics) = free_ports(9)
+            return [
+                "--head", "--port", str(self.gcs_port), "--temp-dir", str(self.temp_dir),
+                "--num-cpus", str(self.head_cpus), "--include-dashboard", "false",
+                "--dashboard-port", str(dashboard), "--ray-client-server-port", str(client_server),
+                *self._node_ports(node_manager, object_manager, agent_http, agent_grpc,
+                                  runtime_env_agent, metrics),
+            ]
+
+        self._start_node("head", args)
+
+    def _start_worker(self, index: int, resources: dict[str, float]) -> None:
+        def args() -> list[str]:
+            return ["--address", self.address, "--num-cpus", str(self.worker_cpus),
+                    "--resources", json.dumps(resources), *self._node_ports(*free_ports(6))]
+
+        self._start_node(f"worker{index}", args)
+
+    def _start_node(self, name: str, args: Callable[[], list[str]]) -> None:
+        # Ray gives a raylet 30 s to register; on a loaded machine that can pass, so retry.
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._launch(name, args())
+                return
+            except RuntimeError:
+                if attempt == START_ATTEMPTS:
+                    raise
+                logger.warning("ray node %s failed to start (attempt %d); retrying", name,
+                               attempt)
+
+    def _node_ports(self, node_manager: int, object_manager: int, agent_http: int,
+                    agent_grpc: int, runtime_env_agent: int, metrics: int) -> list[str]:
+        return [
+            "--node-manager-port", str(node_manager),
+            "--object-manager-port", str(object_manager),
+            "--dashboard-agent-listen-port", str(agent_http),
+            "--dashboard-agent-grpc-port", str(agent_grpc),
+            "--runtime-env-agent-port", str(runtime_env_agent),
+            "--metrics-export-port", str(metrics),
+            "--object-store-memory", str(self.object_store_bytes),
+            "--disable-usage-stats",
+            "--include-log-monitor", "false",  # nobody reads worker logs live: save the CPU
+        ]
+
+    def _launch(self, name: str, args: list[str]) -> None:
+        log_path = self.temp_dir / f"{name}.log"
+        env = self.env
+        if name == "head":
+            env.pop("RAY_ADDRESS")
+        with log_path.open("w") as log:
+            # Own session: its process group is ours to signal, nobody else's.
+            process = subprocess.Popen([RAY, "start", "--block", *args], stdout=log,
+                                       stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while STARTED_LINE not in log_path.read_text(errors="replace"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                _kill_group(process, signal.SIGKILL)
+                process.wait()
+                log_path.rename(log_path.with_suffix(f".failed-{process.pid}.log"))
+                raise RuntimeError(f"ray node {name} did not start:\n{tail}")
+            time.sleep(0.3)
+        self.nodes.append(Node(name, process, log_path))
+        logger.info("ray node %s started (pid %d)", name, process.pid)
+
+    def stop(self, keep_logs_in: Path | None = None) -> None:
+        """End every process this cluster started (workers first), then remove its temp dir
+        (its node and session logs copied to ``keep_logs_in`` first, if given)."""
+        for node in reversed(self.nodes):
+            _kill_group(node.process, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for node in self.nodes:
+            try:
+                node.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes:
+            _kill_group(node.process, signal.SIGKILL)
+            node.process.wait()
+        # Actor workers run in sessions of their own; the marker finds them all.
+        end_marked_processes(MARKER_ENV, self.cluster_id, grace_s=5.0)
+        if keep_logs_in is not None:
+            self.copy_logs(keep_logs_in)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def copy_logs(self, destination: Path) -> None:
+        destination.mkdir(parents=True, exist_ok=True)
+        for node in self.nodes:
+            shutil.copy(node.log_path, destination / node.log_path.name)
+        session_logs = self.temp_dir / "session_latest" / "logs"
+        if session_logs.is_dir():
+            shutil.copytree(session_logs, destination / "session", dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock", "events", "export_events"))
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

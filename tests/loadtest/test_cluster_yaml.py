@@ -1,0 +1,66 @@
+"""cluster.yaml passes the checks `ray up` runs, and its node types fit serve_config.yaml."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray.autoscaler
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def deployments() -> dict[str, dict]:
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    return {d["name"]: d for d in config["applications"][0]["deployments"]}
+
+
+def test_matches_rays_cluster_schema(cluster: dict) -> None:
+    schema_path = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
+    jsonschema.validate(cluster, json.loads(schema_path.read_text()))
+
+
+def test_passes_what_ray_up_checks_after_filling_defaults(cluster: dict) -> None:
+    prepared = prepare_config(copy.deepcopy(cluster))
+    validate_config(prepared)
+    assert prepared["provider"]["type"] == "aws"
+    assert prepared["head_node_type"] == "head.cpu"
+
+
+def test_gpu_workers_hold_the_synthesizer_replicas(cluster: dict,
+                                                   deployments: dict[str, dict]) -> None:
+    gpu = cluster["available_node_types"]["worker.gpu.a10g"]
+    synthesizer = deployments["Synthesizer"]
+    assert gpu["node_config"]["InstanceType"].startswith("g5.")  # one A10G per g5 (x)large
+    assert gpu["resources"]["GPU"] == synthesizer["ray_actor_options"]["num_gpus"] == 1
+    assert gpu["resources"]["CPU"] >= synthesizer["ray_actor_options"]["num_cpus"]
+    autoscaling = synthesizer["autoscaling_config"]
+    assert gpu["min_workers"] == autoscaling["min_replicas"]
+    assert gpu["max_workers"] == autoscaling["max_replicas"]
+
+
+def test_cpu_workers_and_head_have_no_gpu(cluster: dict, deployments: dict[str, dict]) -> None:
+    types = cluster["available_node_types"]
+    assert "GPU" not in types["head.cpu"]["resources"]
+    cpu = types["worker.cpu"]
+    assert "GPU" not in cpu["resources"]
+    encoder_cpus = deployments["AudioEncoder"]["ray_actor_options"]["num_cpus"]
+    assert cpu["resources"]["CPU"] >= encoder_cpus
+    assert cluster["max_workers"] >= sum(t.get("max_workers", 0) for t in types.values())
+
+
+def test_setup_installs_the_project(cluster: dict) -> None:
+    assert cluster["file_mounts"]["~/minicpmo-serve"] == "."
+    assert any("pip install" in command and "-e '.[minicpmo" in command
+               for command in cluster["setup_commands"])
