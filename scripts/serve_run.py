@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import ray
@@ -34,6 +35,11 @@ def main() -> None:
                  _metrics_export_port=args.metrics_port)
         print(f"serve_run: Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics",
               file=sys.stderr)
+    # Ctrl-C and SIGTERM both end `serve run` cleanly (it shuts Serve down on KeyboardInterrupt);
+    # set after ray.init, which installs its own SIGTERM handler; SIGINT is re-armed because
+    # shells start background jobs with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     cli.main(["run", args.config], prog_name="serve")
 
 

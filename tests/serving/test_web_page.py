@@ -76,6 +76,15 @@ def test_page_speaks_a_sentence_while_it_streams(server: Server,
             page.screenshot(path=str(ARTIFACTS / "web-page.png"))
             ttfb_text = page.inner_text("#ttfb")
             rtf_text = page.inner_text("#rtf")
+            # mp3 streams through MediaSource into the <audio> element instead.
+            page.select_option("#format", "mp3")
+            page.fill("#text", "Now in mp3.")
+            page.click("#speak")
+            page.wait_for_function(
+                "window.ttsState.done && window.ttsState.format === 'mp3' && "
+                "window.ttsState.audioS > 0 && "
+                "window.ttsState.playedS >= window.ttsState.audioS - 0.1", timeout=90_000)
+            mp3_state = page.evaluate("window.ttsState")
         finally:
             browser.close()
     assert state["error"] is None
@@ -85,3 +94,4 @@ def test_page_speaks_a_sentence_while_it_streams(server: Server,
     assert 0 < state["ttfbMs"] < 30_000 and 0 < state["rtf"] < 5
     assert ttfb_text.endswith(" ms") and int(ttfb_text.split()[0]) > 0
     assert float(rtf_text) > 0
+    assert mp3_state["error"] is None and mp3_state["ttfbMs"] > 0 and mp3_state["audioS"] > 0.3
