@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     wait_ready(host, args.ready_timeout, headers)
 
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    load_before = os.getloadavg()[0]
     print(f"loadtest: {args.users} users ({args.shape}) for {args.duration:.0f} s on {host} "
           f"-> {out}", file=sys.stderr)
     exit_code = run_locust(args, out)
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": started_at, "shape": args.shape, "load_s": args.duration,
         "spawn_rate": args.spawn_rate, "locust_exit_code": exit_code,
         "cpu_count": os.cpu_count(),
+        # The machine's 1-minute load average around the run: other work skews the numbers.
+        "load_average_1m": {"before": round(load_before, 2),
+                            "after": round(os.getloadavg()[0], 2)},
     }
     summary = report.summarize(records, host=host, users=args.users, extra=extra,
                                locust_failure_count=report.locust_failures(
