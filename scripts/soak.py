@@ -117,16 +117,17 @@ def replicas() -> list[tuple[str, int, float]]:
     for process in psutil.process_iter(["pid", "cmdline", "memory_info"]):
         cmdline = " ".join(process.info["cmdline"] or [])
         if marker in cmdline and process.info["memory_info"] is not None:
-            name = cmdline.split(marker, 1)[1].split()[0]
+            # The process title may carry the method it runs: "Synthesizer.handle_request...".
+            name = cmdline.split(marker, 1)[1].split()[0].split(".")[0]
             found.append((name, process.info["pid"], process.info["memory_info"].rss / 2**20))
     return found
 
 
-def replica_memory_mb() -> dict[str, float]:
-    """Resident memory of this app's replica processes, by deployment (summed over replicas)."""
-    memory: dict[str, float] = {}
-    for name, _, rss_mb in replicas():
-        memory[name] = round(memory.get(name, 0.0) + rss_mb, 1)
+def replica_memory_mb() -> dict[str, list[float]]:
+    """Resident memory of each replica process of this app, by deployment."""
+    memory: dict[str, list[float]] = {}
+    for name, _, rss_mb in sorted(replicas()):
+        memory.setdefault(name, []).append(round(rss_mb, 1))
     return memory
 
 
@@ -145,6 +146,7 @@ class Tally:
     lost_examples: list[dict] = field(default_factory=list)
     crash_sent_at_s: float | None = None
     recovered_at_s: float | None = None
+    memory_timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def now(self) -> float:
         return time.monotonic() - self.started_s
@@ -282,6 +284,13 @@ def worker(base_url: str, deadline_s: float, tally: Tally, seed: int) -> None:
                 tally.add("connection_errors")
 
 
+def sample_memory(deadline_s: float, tally: Tally, every_s: float = 30.0) -> None:
+    """Replica memory every ``every_s`` seconds: bounded means it levels off."""
+    while time.monotonic() < deadline_s:
+        tally.memory_timeline.append({"t_s": round(tally.now()), **replica_memory_mb()})
+        time.sleep(min(every_s, max(0.0, deadline_s - time.monotonic())))
+
+
 def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
     time.sleep(max(0.0, crash_at_s - tally.now()))
     with tally.lock:
@@ -304,6 +313,7 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
                for i in range(concurrency)]
     if crash_at_s is not None:
         threads.append(threading.Thread(target=crasher, args=(base_url, crash_at_s, tally)))
+    threads.append(threading.Thread(target=sample_memory, args=(deadline_s, tally)))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -346,7 +356,8 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
                   "synthesizer_pids_after": synthesizer_pids()},
         "ttfb_ms": {"p50": round(1000 * statistics.median(ttfb), 1) if ttfb else None,
                     "p95": round(1000 * ttfb[int(0.95 * (len(ttfb) - 1))], 1) if ttfb else None},
-        "memory_rss_mb": {"start": memory_start, "end": memory_end},
+        "memory_rss_mb": {"start": memory_start, "end": memory_end,
+                          "timeline": tally.memory_timeline},
     }
 
 

@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Scope, Send
 
 from serve_app.config import ApiConfig
@@ -162,8 +163,7 @@ class RequestRecord:
         self.error_code = error.code
 
     def failed(self, exc: BaseException) -> None:
-        if isinstance(exc, (asyncio.CancelledError, OSError)) or type(exc).__name__ in (
-                "ClientDisconnect",):
+        if isinstance(exc, (asyncio.CancelledError, OSError, ClientDisconnect)):
             self.outcome = "disconnected"
         else:
             self.outcome = "timeout" if isinstance(exc, StreamCut) and exc.timeout else "failed"

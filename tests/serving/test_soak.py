@@ -33,4 +33,5 @@ def test_a_minute_of_mixed_load_with_a_crash_loses_nothing(tmp_path: Path) -> No
     assert crash["recovered_at_s"] is not None, report
     assert set(crash["synthesizer_pids_after"]) != set(crash["synthesizer_pids_before"]), report
     assert report["memory_rss_mb"]["end"].get("Synthesizer"), report
+    assert len(report["memory_rss_mb"]["timeline"]) >= 2, report
     assert result.returncode == 0, result.stderr[-3000:]
