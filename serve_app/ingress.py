@@ -398,8 +398,8 @@ class Ingress:
                              self._api.chunk_timeout_s + 2 * HOP_MARGIN_S,
                              self._api.max_stream_s, started_s)
         if first:
-            self._metrics.ttfb_s.observe(time.perf_counter() - received_s,
-                                         tags={"mode": request.mode, "format": audio_format})
+            self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
+                                       audio_format)
         # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
         headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
         return StreamingResponse(_body(first, pieces, request.request_id, self._metrics),

@@ -16,9 +16,17 @@ Objects here are created inside a replica (in ``__init__``), where Serve adds it
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve_app.engines.base import EngineStats
+
+logger = logging.getLogger(__name__)
+Method = TypeVar("Method", bound=Callable[..., None])
 
 # Metric names as recorded; Prometheus sees each with Ray's "ray_" prefix.
 TTFB_SECONDS = "tts_ttfb_seconds"
@@ -46,11 +54,23 @@ RTF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0]
 STAGE_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
+def _never_raises(method: Method) -> Method:
+    """Recording a metric must never break a stream: log the failure and carry on."""
+    @functools.wraps(method)
+    def record(*args: Any, **kwargs: Any) -> None:
+        try:
+            method(*args, **kwargs)
+        except Exception:
+            logger.exception("recording metrics failed in %s", method.__qualname__)
+
+    return record  # type: ignore[return-value]
+
+
 class IngressMetrics:
     """What the HTTP front door sees: TTFB, streams in flight, every error it answers."""
 
     def __init__(self) -> None:
-        self.ttfb_s = Histogram(
+        self._ttfb_s = Histogram(
             TTFB_SECONDS, description="Seconds from a speech request's arrival at the ingress "
             "to its first audio bytes", boundaries=TTFB_BUCKETS_S, tag_keys=("mode", "format"))
         self._streams = Gauge(HTTP_STREAMS_ACTIVE,
@@ -60,14 +80,21 @@ class IngressMetrics:
         self._active = 0
         self._streams.set(0)
 
+    @_never_raises
     def stream_started(self) -> None:
         self._active += 1
         self._streams.set(self._active)
 
+    @_never_raises
     def stream_ended(self) -> None:
         self._active -= 1
         self._streams.set(self._active)
 
+    @_never_raises
+    def observe_ttfb(self, ttfb_s: float, mode: str, audio_format: str) -> None:
+        self._ttfb_s.observe(ttfb_s, tags={"mode": mode, "format": audio_format})
+
+    @_never_raises
     def error(self, code: str | None, status: int | str) -> None:
         self._errors.inc(tags={"code": code or "unknown", "status": str(status)})
 
@@ -87,18 +114,21 @@ class EncoderMetrics:
             "(names ending in _s) and the encoder's own resample+encode",
             boundaries=STAGE_BUCKETS_S, tag_keys=("stage",))
 
+    @_never_raises
     def chunk(self, timings_s: dict[str, float], encode_s: float) -> None:
         for name, value in timings_s.items():
             # Engines also carry counts (e.g. tts_steps); only seconds belong here.
             if name.endswith("_s") and value >= 0:
-                self._stage_s.observe(value, tags={"stage": name[:-2]})
+                self._stage_s.observe(float(value), tags={"stage": name[:-2]})
         self._stage_s.observe(encode_s, tags={"stage": "encode"})
 
+    @_never_raises
     def stream_finished(self, audio_format: str, audio_s: float, wall_s: float) -> None:
+        if audio_s <= 0:  # nothing to say (e.g. only punctuation): no audio, no rate
+            return
         tags = {"format": audio_format}
         self._audio_s.inc(audio_s, tags=tags)
-        if audio_s > 0:
-            self._rtf.observe(wall_s / audio_s, tags=tags)
+        self._rtf.observe(wall_s / audio_s, tags=tags)
 
 
 class SynthesizerMetrics:
@@ -120,6 +150,7 @@ class SynthesizerMetrics:
                                 "outcome", tag_keys=("outcome",))
         self._last = EngineStats()
 
+    @_never_raises
     def refresh(self, stats: EngineStats, waiting_for_admission: int) -> None:
         busy = stats.active_streams > 0
         batch = stats.last_batch_size if busy else 0

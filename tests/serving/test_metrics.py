@@ -140,3 +140,10 @@ def test_dashboard_charts_only_exported_metrics(server: Server) -> None:
     exported = scrape(server)
     missing = sorted(name for name in charted if name not in exported)
     assert not missing, f"charted but not exported: {missing}"
+
+
+def test_a_stream_without_audio_ends_complete(client: httpx.Client) -> None:
+    """Nothing to say (a lone symbol): no audio seconds to count, and the reply still completes."""
+    response = client.post("/v1/speech/stream", json={"text": "\U000c4a7e", "format": "wav"})
+    assert response.status_code == 200
+    assert len(response.content) == 44  # the WAV header alone
