@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,6 +22,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 TEXT = "Hello from the browser. This sentence streams while it plays."
+LONG_TEXT = " ".join(f"Sentence {n} of a text that is stopped long before its end."
+                     for n in range(1, 30))
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -35,6 +39,13 @@ def chromium_path() -> str:
             pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
         pytest.skip("chromium is not installed (apt-get install chromium)")
     return path
+
+
+def aborted(server: Server) -> int:
+    """Engine streams aborted so far; from a thread of its own, since Playwright's sync API
+    runs an event loop in this one and Ray's blocking calls refuse to run inside a loop."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(server.synthesizer_stats).result()["engine"]["aborted"]
 
 
 def test_root_serves_a_self_contained_page(server: Server) -> None:
@@ -88,6 +99,20 @@ def test_page_speaks_a_sentence_while_it_streams(server: Server,
                 "window.ttsState.audioS > 0 && "
                 "window.ttsState.playedS >= window.ttsState.audioS - 0.1", timeout=90_000)
             mp3_state = page.evaluate("window.ttsState")
+            # Stop mid-stream: the page aborts the request and the server frees the engine slot.
+            aborted_before = aborted(server)
+            page.select_option("#format", "pcm")
+            page.fill("#text", LONG_TEXT)
+            page.click("#speak")
+            page.wait_for_function("window.ttsState.ttfbMs !== null", timeout=60_000)
+            page.click("#stop")
+            page.wait_for_function("window.ttsState.done", timeout=30_000)
+            stopped = page.evaluate("[window.ttsState.error, document.querySelector('#status')"
+                                    ".textContent]")
+            deadline = time.monotonic() + 30
+            while aborted(server) == aborted_before:
+                assert time.monotonic() < deadline, "stopping the page never aborted the stream"
+                time.sleep(0.2)
         finally:
             browser.close()
     assert state["error"] is None
@@ -98,3 +123,4 @@ def test_page_speaks_a_sentence_while_it_streams(server: Server,
     assert ttfb_text.endswith(" ms") and int(ttfb_text.split()[0]) > 0
     assert float(rtf_text) > 0
     assert mp3_state["error"] is None and mp3_state["ttfbMs"] > 0 and mp3_state["audioS"] > 0.3
+    assert stopped == [None, "Stopped."]
