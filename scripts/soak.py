@@ -82,16 +82,19 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     deadline = time.monotonic() + ready_timeout_s
-    while True:
-        try:
-            if httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_service(process)
-            raise SystemExit(f"soak: the service did not start; see {log_path}")
-        time.sleep(1)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200:
+                    return process
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"soak: the service did not start; see {log_path}")
+            time.sleep(1)
+    except BaseException:
+        stop_service(process)
+        raise
 
 
 def stop_service(process: subprocess.Popen) -> None:
