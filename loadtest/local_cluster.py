@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 MARKER_ENV = "LOCAL_RAY_CLUSTER_ID"
 RAY = str(Path(sys.executable).parent / "ray")
 STARTED_LINE = "Ray runtime started"
-START_ATTEMPTS = 3
+START_ATTEMPTS = 5
 
 
 def free_ports(count: int) -> list[int]:
@@ -166,7 +166,9 @@ class LocalCluster:
         self._start_node(f"worker{index}", args)
 
     def _start_node(self, name: str, args: Callable[[], list[str]]) -> None:
-        # Ray gives a raylet 30 s to register; on a loaded machine that can pass, so retry.
+        # A raylet aborts when its dashboard agent has not reported its port within ~15 s, and
+        # `ray start` when the raylet has not registered within 30 s (both fixed in Ray 2.60):
+        # a machine busy with other work misses those deadlines now and then, so retry.
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 self._launch(name, args())

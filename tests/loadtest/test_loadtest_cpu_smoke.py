@@ -70,21 +70,22 @@ def cpu_service(tmp_path_factory: pytest.TempPathFactory) -> str:
     env.pop("RAY_ADDRESS", None)
     url = f"http://127.0.0.1:{port}"
     try:
-        # Ray gives its raylet 30 s to register; a loaded machine can miss that: one retry.
-        for attempt in (1, 2):
+        # Ray's start-up deadlines (agent ports ~15 s, raylet registration 30 s) are fixed; a
+        # machine busy with other work can miss them, so retry.
+        for attempt in (1, 2, 3):
             log_path = folder / f"serve-{attempt}.log"
             service = _serve_run(config_path, log_path, env)
             if _ready(service, url, 240):
                 break
             _stop(service)
-            assert attempt < 2, f"never ready:\n{log_path.read_text()[-3000:]}"
+            assert attempt < 3, f"never ready:\n{log_path.read_text()[-3000:]}"
         yield url
         _stop(service)
     finally:
         end_marked_processes(MARKER, marker)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_loadtest_20s_on_the_cpu_profile_has_throughput_and_no_failures(
         cpu_service: str, tmp_path: Path) -> None:
     result = subprocess.run(
