@@ -140,7 +140,9 @@ class LocalCluster:
             for index, resources in enumerate(self.worker_resources, start=1):
                 self._start_worker(index, resources)
         except BaseException:
-            self.stop(keep_logs_in=Path(tempfile.gettempdir()) / f"rc-failed-{self.cluster_id}")
+            kept = Path(tempfile.gettempdir()) / f"rc-failed-{self.cluster_id}"
+            self.stop(keep_logs_in=kept)
+            logger.error("the cluster did not start; its logs are in %s", kept)
             raise
         return self
 
