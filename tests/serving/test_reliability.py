@@ -314,11 +314,14 @@ def test_overload_beyond_the_bounded_queues_is_503_json_with_retry_after(
     with ThreadPoolExecutor(MAX_STREAMS + 2) as pool:
         results = list(pool.map(one, range(MAX_STREAMS + 2)))
     statuses = sorted(r.status for r in results)
-    assert set(statuses) <= {200, 503}, statuses
-    assert statuses.count(503) >= MAX_STREAMS + 2 - SYNTH_MAX_ONGOING - SYNTH_MAX_QUEUED
+    # Refused streams answer 503 (queues full) or 429 (a key's concurrent-stream limit, which
+    # a burst spread over few keys can hit first); both are JSON errors, nothing else appears.
+    assert set(statuses) <= {200, 429, 503}, statuses
+    refused = statuses.count(503) + statuses.count(429)
+    assert refused >= MAX_STREAMS + 2 - SYNTH_MAX_ONGOING - SYNTH_MAX_QUEUED
     for result in results:
-        if result.status == 503:
-            assert_json_error(result, 503)
+        if result.status in (429, 503):
+            assert_json_error(result, result.status)
     # Afterwards everything is released and the service serves normally.
     assert hardened.wait_engine(lambda s: s["active_streams"] == 0)["active_streams"] == 0
     with hardened.client() as client:
