@@ -133,6 +133,11 @@ def hardened(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Harden
     args = hardened_args(keys_file)
     deploy(args)
     app = Hardened(base_url=f"{server.base_url}{PREFIX}", args=args)
+    # serve.run returns before every proxy routes the new prefix: wait until it answers.
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{app.base_url}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the hardened app never became reachable"
+        time.sleep(0.5)
     yield app
     if APP in serve.status().applications:
         serve.delete(APP)
