@@ -165,7 +165,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             max_queued=4096, tts_max_positions=args.tts_positions,
                             llm_max_positions=args.llm_positions, tts_sampling="sample",
                             cuda_graphs=not args.no_graphs and max_slots > 1,
-                            profile_phases=True)
+                            steps_per_sync=args.steps_per_sync,
+                            profile_phases=args.profile_phases)
     return MiniCPMOEngine(model, options)
 
 
@@ -352,6 +353,11 @@ def main() -> None:
     parser.add_argument("--stop-after-ttfb-ms", type=float, default=3000.0)
     parser.add_argument("--baseline", choices=["none", "sequential-eager"], default="sequential-eager")
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--steps-per-sync", type=int, default=EngineOptions.steps_per_sync,
+                        help="audio frames chained on the device per host sync (the baseline uses 1)")
+    parser.add_argument("--profile-phases", action="store_true",
+                        help="time each phase of the engine step (syncs the GPU between phases, "
+                             "so it slows the engine down; off for headline numbers)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--checkpoint", default=None,
                         help="load this checkpoint (official layout) instead of random weights")
@@ -391,7 +397,8 @@ def main() -> None:
               "model_build_s": load_s}
 
     if args.baseline == "sequential-eager":
-        engine = build_engine(model, argparse.Namespace(**{**vars(args), "no_graphs": True}), 1)
+        upstream_way = {"no_graphs": True, "steps_per_sync": 1, "profile_phases": False}
+        engine = build_engine(model, argparse.Namespace(**{**vars(args), **upstream_way}), 1)
         base = {}
         for mode in args.modes:
             asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up

@@ -1,9 +1,10 @@
-"""One TTS audio step for a batch of streams, as a pure tensor function.
+"""TTS audio steps for a batch of streams, as pure tensor functions.
 
 Everything from the packed per-row inputs to the sampled codes happens here (embedding,
 attention mask, decoder, heads, temperature, top-p/top-k, end-of-audio rule, sampling), so the
 whole step replays as one CUDA graph and the host only copies a small int tensor in and the
-codes out.
+codes out. :func:`audio_window` chains several steps on the device (a frame's codes are the
+next step's input), so the host syncs once per window instead of once per frame.
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ from __future__ import annotations
 import torch
 
 from .graphs import bucket_sizes, capture_per_bucket
-from .layers import SlotKVCache, StepInputs
+from .layers import SlotKVCache, StepInputs, causal_attend
 from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
 
 TTS_TEMPERATURE = (0.1, 0.3, 0.1, 0.3)
 TTS_MIN_KEEP = 3
 
-# Columns of the packed int64 input, one row per stream.
-ACTIVE, BOS, FRAME0, POSITION, TEXT_LEN, EOS_ALLOWED, WARP, SEED, COUNTER, GREEDY = (
-    0, 1, 2, 6, 7, 8, 9, 10, 11, 12)
-PACKED_COLUMNS = 13
+# Columns of the packed int64 input, one row per stream. ``CALL_FRAMES``: frames already made
+# in the current generate call; end-of-audio is allowed once it reaches ``EOS_AFTER``;
+# ``STEPS_LEFT``: frames the call may still make (its end, the frame limit, or the cache size).
+(ACTIVE, BOS, FRAME0, POSITION, TEXT_LEN, CALL_FRAMES, EOS_AFTER, WARP, SEED, COUNTER, GREEDY,
+ STEPS_LEFT) = (0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14)
+PACKED_COLUMNS = 15
 
 
 def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor,
@@ -72,7 +75,7 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
     top_k = torch.full((flat.shape[0], 1), cfg.top_k, device=packed.device, dtype=torch.long)
     warped = top_k_filter(top_p_filter(flat, top_p, TTS_MIN_KEEP), top_k, TTS_MIN_KEEP)
     flat = torch.where(rows_per_code(WARP).bool()[:, None], warped, flat)
-    eos_allowed = rows_per_code(EOS_ALLOWED).bool()
+    eos_allowed = rows_per_code(CALL_FRAMES) >= rows_per_code(EOS_AFTER)
     eos_column = flat[:, cfg.eos_code]
     flat[:, cfg.eos_code] = torch.where(eos_allowed, eos_column, torch.full_like(eos_column, float("-inf")))
     codebook = torch.arange(cfg.num_vq, device=packed.device).repeat(batch)
@@ -81,16 +84,46 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
     return codes.view(batch, cfg.num_vq)
 
 
+def audio_window(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
+                 rows: torch.Tensor, contiguous: bool, steps: int) -> torch.Tensor:
+    """Up to ``steps`` audio steps per row without the host: returns [steps, B, num_vq + 1],
+    each frame's codes and, in the last column, 1 where the row really made that frame.
+
+    After each step a row feeds its codes back as the next input; it stops (turns inactive,
+    writing only to the scratch position) once its call has no ``STEPS_LEFT`` or it sampled the
+    end-of-audio code. The per-row rules are those of :class:`~.schedule.SpeechSchedule`, which
+    replays the made frames on the host afterwards.
+    """
+    eos_code = tts.config.eos_code
+    frames = []
+    for _ in range(steps):
+        made = packed[:, ACTIVE]
+        codes = audio_step(tts, cache, packed, rows, contiguous)
+        frames.append(torch.cat([codes, made[:, None]], dim=1))
+        ended = (codes == eos_code).any(dim=1) & (packed[:, CALL_FRAMES] >= packed[:, EOS_AFTER])
+        still = (made.bool() & (packed[:, STEPS_LEFT] > 1) & ~ended).long()
+        one = torch.ones_like(made)
+        packed = torch.cat([
+            still[:, None], torch.zeros_like(made)[:, None], codes,
+            (packed[:, POSITION] + 1)[:, None], packed[:, TEXT_LEN:TEXT_LEN + 1],
+            (packed[:, CALL_FRAMES] + 1)[:, None], packed[:, EOS_AFTER:EOS_AFTER + 1],
+            one[:, None], packed[:, SEED:SEED + 1], (packed[:, COUNTER] + 1)[:, None],
+            packed[:, GREEDY:GREEDY + 1], (packed[:, STEPS_LEFT] - 1)[:, None]], dim=1)
+    return torch.stack(frames)
+
+
 class AudioStepGraphs:
-    """:func:`audio_step` captured as CUDA graphs, one per batch-size bucket.
+    """:func:`audio_window` captured as CUDA graphs, one per batch-size bucket.
 
     A bucket of size ``b`` steps slots ``0..b-1`` (slots are handed out lowest first, so the
     busy ones stay packed); rows that are not generating this step are inactive padding.
     """
 
-    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device) -> None:
+    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
+                 steps: int = 1) -> None:
         self.tts = tts
         self.cache = cache
+        self.steps = steps
         slots = cache.num_slots
         self.packed = torch.zeros(slots, PACKED_COLUMNS, device=device, dtype=torch.long)
         self.host = torch.zeros(slots, PACKED_COLUMNS, dtype=torch.long).pin_memory()
@@ -100,10 +133,12 @@ class AudioStepGraphs:
 
     def capture_all(self) -> None:
         self.graphs = capture_per_bucket(
-            self.buckets, lambda b: audio_step(self.tts, self.cache, self.packed[:b], self.rows[:b], True))
+            self.buckets,
+            lambda b: audio_window(self.tts, self.cache, self.packed[:b], self.rows[:b], True, self.steps))
 
     def run(self, slots: list[int], packed_rows: torch.Tensor) -> torch.Tensor:
-        """``packed_rows`` [B, columns] (CPU) for streams in ``slots``; returns codes [B, vq] (CPU)."""
+        """``packed_rows`` [B, columns] (CPU) for streams in ``slots``; returns the window
+        [steps, B, vq + 1] (CPU), as :func:`audio_window`."""
         bucket = next(b for b in self.buckets if b > max(slots))
         self.host[:bucket].zero_()
         index = torch.tensor(slots)
@@ -111,7 +146,7 @@ class AudioStepGraphs:
         self.packed[:bucket].copy_(self.host[:bucket], non_blocking=True)
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[index.to(out.device)].cpu()
+        return out[:, index.to(out.device)].cpu()
 
 
 PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens; longer ones take passes
@@ -127,11 +162,9 @@ def text_prefill_step(tts: SpeechTokenModel, cache: SlotKVCache, ids: torch.Tens
     """
     embeds = tts.emb_text(ids)
     embeds = torch.where(speaker_at[:, :, None], speaker[:, None, :].to(embeds.dtype), embeds)
-    keys = torch.arange(cache.max_positions + 1, device=ids.device)
-    visible = keys[None, None, :] <= positions[:, :, None]
-    visible = torch.where(valid[:, :, None], visible, keys[None, None, :] == 0)
     write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
-    tts(embeds, cache, StepInputs(rows, positions, write, visible[:, None], contiguous))
+    attend = causal_attend(positions, valid, cache.max_positions + 1)
+    tts(embeds, cache, StepInputs(rows, positions, write, attend, contiguous))
 
 
 class TextPrefillGraphs:

@@ -42,34 +42,30 @@ from ..faults import FaultInjection, crash_process
 from .audio_step import (
     ACTIVE,
     BOS,
+    CALL_FRAMES,
     COUNTER,
-    EOS_ALLOWED,
+    EOS_AFTER,
     FRAME0,
     GREEDY,
     PACKED_COLUMNS,
     POSITION,
     PREFILL_TOKENS,
     SEED,
+    STEPS_LEFT,
     TEXT_LEN,
     WARP,
     AudioStepGraphs,
     TextPrefillGraphs,
-    audio_step,
     audio_visibility,
+    audio_window,
     text_prefill_step,
 )
 from .codec import StreamingAudioJoiner
 from .decode_graphs import MultiLengthDecodeGraphs
 from .layers import SlotKVCache, StepInputs, causal_attend
-from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step
+from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step, sample_next_token
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
 from .quantization import check_mode as check_quantization
-from .sampling import (
-    apply_repetition_penalty,
-    sample_or_argmax,
-    top_k_filter,
-    top_p_filter,
-)
 from .schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
 from .text import (
     GENERATION_PROMPT,
@@ -112,7 +108,9 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
-    admission_interval_steps: int = 4  # while streams run, admit every N steps (batches prefills)
+    steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
+    # a divisor of chunk_frames keeps every generate call aligned to engine steps
+    admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
 
@@ -205,9 +203,10 @@ class MiniCPMOEngine:
         self._wake = threading.Event()
         self._stop = False
         self._stats = EngineStats(max_slots=options.max_slots)
+        self._window = max(options.steps_per_sync, 1)
         self._traces: dict[str, SpeechSchedule] = {}
         self._step_counter = itertools.count()
-        self._graphs = (AudioStepGraphs(model.tts, self.tts_cache, self.device)
+        self._graphs = (AudioStepGraphs(model.tts, self.tts_cache, self.device, self._window)
                         if options.cuda_graphs and self.device.type == "cuda" else None)
         self._decoder = model.decoder
         self._prefill_graphs = (TextPrefillGraphs(model.tts, self.tts_cache, self.device)
@@ -630,12 +629,7 @@ class MiniCPMOEngine:
         """Sample the first token from prefill logits with the decode step's processors."""
         x = self._llm_inputs(streams)
         x = LLMStepInputs(**{f: getattr(x, f).to(self.device) for f in LLMStepInputs.__dataclass_fields__})
-        logits = apply_repetition_penalty(logits, x.window, torch.ones_like(x.window, dtype=torch.bool),
-                                          x.penalty[:, None])
-        logits = logits / x.temperature[:, None]
-        logits = top_k_filter(logits, x.top_k[:, None], 1)
-        logits = top_p_filter(logits, x.top_p[:, None], 1)
-        return sample_or_argmax(logits, x.greedy, x.seed, x.counter * 7919 + 1).tolist()
+        return sample_next_token(logits, x).tolist()
 
     def _accept_token(self, stream: _Stream, token: int) -> None:
         """A sampled LLM token: group by 3 into pieces, stop at terminators or the limit."""
@@ -663,11 +657,20 @@ class MiniCPMOEngine:
         stream.llm_slot = -1
 
     def _llm_decode(self) -> None:
-        streams = [s for s in self._active.values()
-                   if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0
-                   and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
-        if not streams:
-            return
+        """One batched LLM step for every chat stream below its lookahead; more steps (up to
+        ``steps_per_sync``) while a stream's speech waits for its next piece."""
+        for _ in range(self._window):
+            streams = [s for s in self._active.values()
+                       if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0
+                       and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+            if not streams:
+                return
+            self._llm_decode_step(streams)
+            if not any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
+                       for s in streams):
+                return
+
+    def _llm_decode_step(self, streams: list[_Stream]) -> None:
         inputs = self._llm_inputs(streams)
         slots = [s.llm_slot for s in streams]
         if self._llm_graphs is not None:
@@ -787,6 +790,8 @@ class MiniCPMOEngine:
         tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
 
     def _tts_step(self, streams: list[_Stream], decode_jobs: list, follow_up: list) -> None:
+        """One window of up to ``steps_per_sync`` audio frames per stream, then the schedule
+        replays each stream's frames in order (its call ends exactly where the device stopped)."""
         cfg = self.model.config.tts
         greedy = int(self.options.tts_sampling == "greedy")
         packed = np.zeros((len(streams), PACKED_COLUMNS), dtype=np.int64)  # numpy: cheap per-item writes
@@ -797,23 +802,28 @@ class MiniCPMOEngine:
             if st.frame is not None:
                 row[FRAME0:FRAME0 + cfg.num_vq] = st.frame
             row[POSITION], row[TEXT_LEN] = st.position, st.text_len
-            row[EOS_ALLOWED], row[WARP] = st.eos_allowed, st.apply_warpers
+            row[CALL_FRAMES], row[EOS_AFTER], row[STEPS_LEFT] = st.call_frames, st.eos_after, st.steps_left
+            row[WARP] = st.apply_warpers
             row[SEED], row[COUNTER] = stream.plan.request.seed or 0, stream.tts_steps
             row[GREEDY] = greedy
         packed = torch.from_numpy(packed)
         slots = [s.slot for s in streams]
         if self._graphs is not None:
-            codes = self._graphs.run(slots, packed)
+            window = self._graphs.run(slots, packed)
         else:
             rows = torch.tensor(slots, device=self.device)
-            codes = audio_step(self.model.tts, self.tts_cache, packed.to(self.device), rows, False).cpu()
-        for stream, frame in zip(streams, codes.tolist()):
-            stream.tts_steps += 1
-            for item in stream.schedule.on_frame(frame):
-                if isinstance(item, DecodeJob):
-                    decode_jobs.append((stream, item))
-                else:
-                    follow_up.append((stream, item))
+            window = audio_window(self.model.tts, self.tts_cache, packed.to(self.device), rows, False,
+                                  self._window).cpu()
+        made = window[:, :, -1].sum(dim=0).tolist()
+        codes = window[:, :, :-1].permute(1, 0, 2).tolist()  # [B][steps][vq]
+        for stream, count, frames in zip(streams, made, codes):
+            for frame in frames[:count]:
+                stream.tts_steps += 1
+                for item in stream.schedule.on_frame(frame):
+                    if isinstance(item, DecodeJob):
+                        decode_jobs.append((stream, item))
+                    else:
+                        follow_up.append((stream, item))
 
     def _decode(self, jobs: list[tuple[_Stream, DecodeJob]]) -> None:
         real = [(s, j) for s, j in jobs if j.frames and not s.done]

@@ -48,9 +48,12 @@ def llm_decode_step(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: tor
     write = torch.where(x.active, x.position, torch.full_like(x.position, cache.scratch_position))
     step = StepInputs(rows, x.position[:, None], write[:, None], visible[:, None, None, :], contiguous)
     hidden = llm.hidden_states(x.token[:, None], cache, step)
-    logits = llm.logits(hidden[:, -1])
-    logits = apply_repetition_penalty(logits, x.window, torch.ones_like(x.window, dtype=torch.bool),
-                                      x.penalty[:, None])
+    return sample_next_token(llm.logits(hidden[:, -1]), x)
+
+
+def sample_next_token(logits: torch.Tensor, x: LLMStepInputs) -> torch.Tensor:
+    """Next token per row from LLM logits [B, V], with the rows' sampling parameters."""
+    logits = apply_repetition_penalty(logits, x.window, x.penalty[:, None])
     logits = logits / x.temperature[:, None]
     logits = top_k_filter(logits, x.top_k[:, None], 1)
     logits = top_p_filter(logits, x.top_p[:, None], 1)

@@ -67,10 +67,13 @@ def sample_or_argmax(logits: torch.Tensor, greedy: torch.Tensor, seeds: torch.Te
     return noisy.argmax(dim=-1)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor,
+def apply_repetition_penalty(logits: torch.Tensor, window: torch.Tensor,
                              penalty: torch.Tensor) -> torch.Tensor:
-    """transformers' RepetitionPenaltyLogitsProcessor over ids ``window`` [B, W] (per-row penalty)."""
+    """transformers' RepetitionPenaltyLogitsProcessor over ids ``window`` [B, W] (per-row penalty).
+
+    A window shorter than W is padded by repeating one of its ids: scattering the same
+    penalised score twice changes nothing.
+    """
     scores = logits.gather(-1, window)
     penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-    penalised = torch.where(window_valid, penalised, scores)
     return logits.scatter(-1, window, penalised)

@@ -8,7 +8,6 @@ is what makes a stream behave identically alone or in any batch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
@@ -54,16 +53,26 @@ class DecodeJob:
     last_of_segment: bool
 
 
+NEVER = 1 << 30  # ``eos_after`` of a stream whose length is fixed: end-of-audio never allowed
+
+
 @dataclass
 class AudioStep:
-    """Inputs of the stream's next audio step."""
+    """Inputs of the stream's next audio step, and how many more steps its call may take
+    (``steps_left``: the engine may chain that many on the device without asking again)."""
 
     position: int
     bos: bool
     frame: list[int] | None
     text_len: int
-    eos_allowed: bool
+    call_frames: int
+    eos_after: int
+    steps_left: int
     apply_warpers: bool
+
+    @property
+    def eos_allowed(self) -> bool:
+        return self.call_frames >= self.eos_after
 
 
 @dataclass
@@ -197,11 +206,14 @@ class SpeechSchedule:
 
     def next_step(self) -> AudioStep:
         bos = self.cache_len == self.config.audio_bos_position
+        steps_left = min(self.chunk_frames - self.call_frames, self.position_capacity_left())
+        if self.total_frame_limit is not None:
+            steps_left = min(steps_left, self.total_frame_limit - self.frames_total)
         return AudioStep(position=self.cache_len, bos=bos,
                          frame=None if bos else self.segment_frames[-1],
-                         text_len=self.text_len,
-                         eos_allowed=(not self.ignore_eos) and self.call_frames >= MIN_FRAMES_PER_CALL,
-                         apply_warpers=not bos)
+                         text_len=self.text_len, call_frames=self.call_frames,
+                         eos_after=NEVER if self.ignore_eos else MIN_FRAMES_PER_CALL,
+                         steps_left=max(steps_left, 1), apply_warpers=not bos)
 
     def position_capacity_left(self) -> int:
         return self.max_positions - 1 - self.cache_len
@@ -285,8 +297,3 @@ class SpeechSchedule:
             work.append(CarryPrefill(carried_frames))
         return work
 
-
-def release_start(past: int, config: TTSConfig) -> int:
-    """First text position still hidden from an audio query whose cache holds ``past`` positions."""
-    chunks = math.ceil((past - config.streaming_text_reserved_len) / config.streaming_audio_chunk_size)
-    return min(chunks * config.streaming_text_chunk_size, config.streaming_text_reserved_len) + config.text_start

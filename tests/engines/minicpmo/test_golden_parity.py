@@ -28,6 +28,19 @@ def engine(tiny_checkpoint):
     engine.close()
 
 
+@pytest.fixture(scope="module", params=[1, 7], ids=["sync-every-frame", "sync-every-7-frames"])
+def window_engine(request, tiny_checkpoint):
+    """The engine with another ``steps_per_sync`` (the default is 5): 1 syncs after every frame,
+    7 does not divide the 25-frame call, so calls end inside a window."""
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
+                            max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,
+                            tts_sampling="greedy", keep_traces=True, steps_per_sync=request.param)
+    engine = MiniCPMOEngine(model, options)
+    yield engine
+    engine.close()
+
+
 def golden_plan(case: str, request_id: str) -> StreamPlan:
     pieces = load_manifest()["cases"][case]["text_pieces"]
     request = SpeechRequest(request_id=request_id, text="".join(pieces), mode="read")
@@ -92,6 +105,23 @@ def test_stream_matches_upstream_codes_and_waveform(engine, case):
         assert np.array_equal(got, want), f"codes differ after call {index}"
     assert wav.shape == expected["wav"].shape
     np.testing.assert_allclose(wav, expected["wav"], rtol=1e-4, atol=1e-5)
+
+
+def test_codes_do_not_depend_on_frames_per_host_sync(window_engine):
+    """Chaining audio steps on the device changes when the host looks, not what is made."""
+    cases = ["stream_medium", "stream_long"]
+
+    async def run():
+        streams = [engine_stream for case in cases for engine_stream in
+                   window_engine.submit_plans([golden_plan(case, f"window-{case}")])]
+        return await asyncio.gather(*(collect(stream) for stream in streams))
+
+    waves = asyncio.run(run())
+    for case, wav in zip(cases, waves):
+        expected = load_expected(case)
+        got = np.concatenate(golden_codes_by_call(window_engine.trace(f"window-{case}")))
+        assert np.array_equal(got, expected["codes"]), case
+        np.testing.assert_allclose(wav, expected["wav"], rtol=1e-4, atol=1e-5)
 
 
 def test_each_case_is_unchanged_when_batched_with_others(engine):
