@@ -166,6 +166,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             llm_max_positions=args.llm_positions, tts_sampling="sample",
                             cuda_graphs=not args.no_graphs and max_slots > 1,
                             steps_per_sync=args.steps_per_sync,
+                            one_query_attention=args.one_query_attention,
                             profile_phases=args.profile_phases)
     return MiniCPMOEngine(model, options)
 
@@ -355,6 +356,8 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--steps-per-sync", type=int, default=EngineOptions.steps_per_sync,
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
+    parser.add_argument("--one-query-attention", choices=["sdpa", "matmul"],
+                        default=EngineOptions.one_query_attention)
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "
                              "so it slows the engine down; off for headline numbers)")
@@ -397,7 +400,8 @@ def main() -> None:
               "model_build_s": load_s}
 
     if args.baseline == "sequential-eager":
-        upstream_way = {"no_graphs": True, "steps_per_sync": 1, "profile_phases": False}
+        upstream_way = {"no_graphs": True, "steps_per_sync": 1, "profile_phases": False,
+                        "one_query_attention": "sdpa"}
         engine = build_engine(model, argparse.Namespace(**{**vars(args), **upstream_way}), 1)
         base = {}
         for mode in args.modes:

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Time the TTS audio window alone on a GPU (no engine loop, no Ray) and profile its kernels.
 
-For each batch size it replays :func:`audio_window` as a CUDA graph (``--steps`` frames per
-replay, every row active at position ``--position``) and as eager code, and reports milliseconds
-per frame; then it profiles one eager window at the largest batch with ``torch.profiler`` and
-lists the kernels that take the most GPU time. The difference between these numbers and the
+For each one-query attention kernel (``--attention``), attention span (the whole cache and
+the shorter spans the engine captures) and batch size it replays :func:`audio_window` as a CUDA
+graph (``--steps`` frames per replay, every row active at position ``--position``) and reports
+milliseconds per frame; then it profiles one eager frame at the smallest and largest batch with
+``torch.profiler`` and lists the kernels that take the most GPU time. The difference between these numbers and the
 engine's milliseconds per step (``scripts/bench_engine.py``) is what the step loop adds.
 
 Example: python scripts/profile_audio_step.py --batches 1 64 128 256 512 --steps 5
@@ -23,9 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from serve_app.engines.minicpmo import layers  # noqa: E402
 from serve_app.engines.minicpmo.audio_step import (  # noqa: E402
     ACTIVE, CALL_FRAMES, COUNTER, EOS_AFTER, FRAME0, PACKED_COLUMNS, POSITION, SEED, STEPS_LEFT,
-    TEXT_LEN, WARP, audio_window)
+    TEXT_LEN, WARP, audio_window, key_count_buckets)
 from serve_app.engines.minicpmo.graphs import capture_per_bucket  # noqa: E402
 from serve_app.engines.minicpmo.layers import SlotKVCache  # noqa: E402
 from serve_app.engines.minicpmo.schedule import NEVER  # noqa: E402
@@ -47,6 +49,18 @@ def packed_rows(batch: int, args, num_vq: int, device) -> torch.Tensor:
     return packed.to(device)
 
 
+def kernel_table(prof, attention: str, batch: int) -> dict:
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    kernels = [{"name": e.key[:100], "calls": e.count, "gpu_us": round(e.self_device_time_total, 1)}
+               for e in events[:12]]
+    print(f"--- one eager frame, attention={attention}, batch {batch}: {total / 1000:.2f} ms of GPU time")
+    for k in kernels:
+        print(f"{k['gpu_us']:>10.1f} us  {k['calls']:>5}  {k['name']}")
+    return {"attention": attention, "batch": batch, "gpu_us_total": round(total, 1), "top_kernels": kernels}
+
+
 def elapsed_ms(fn, repeats: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -66,6 +80,8 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=1024, help="cache positions per slot")
     parser.add_argument("--position", type=int, default=600, help="where every row is")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul"],
+                        help="one-query attention kernels to compare (layers.set_one_query_attention)")
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -77,50 +93,43 @@ def main() -> None:
                         torch.bfloat16)
     rows = torch.arange(max(args.batches), device=device)
     gpu = torch.cuda.get_device_name()
+    peak = 3.35e12 if "H100" in gpu else 4.8e12
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "steps_per_window": args.steps, "cache_positions": args.positions,
               "row_position": args.position, "batches": []}
     torch.set_grad_enabled(False)
+    spans = sorted({args.positions + 1} | {s for s in key_count_buckets(args.positions + 1)
+                                            if s > args.position + args.steps})
     with torch.inference_mode():
-        for batch in args.batches:
-            packed = packed_rows(batch, args, tts.config.num_vq, device)
-            forward = lambda b, p=packed: audio_window(tts, cache, p, rows[:b], True, args.steps)  # noqa: E731
-            graphs = capture_per_bucket([batch], forward)
-            graph, _ = graphs[batch]
-            graph_ms = elapsed_ms(graph.replay, args.repeats)
-            eager_ms = elapsed_ms(lambda: forward(batch), max(args.repeats // 4, 3))
-            started = time.perf_counter()
-            for _ in range(args.repeats):
-                graph.replay()
-                torch.cuda.synchronize()
-            synced_ms = (time.perf_counter() - started) * 1000 / args.repeats
-            row = {"batch": batch, "graph_ms_per_frame": graph_ms / args.steps,
-                   "graph_ms_per_window_with_sync": synced_ms,
-                   "eager_ms_per_frame": eager_ms / args.steps}
-            kv_bytes = cache.bytes_per_slot * batch
-            row["kv_bytes_per_frame"] = kv_bytes
-            row["kv_read_ms_at_peak_est"] = kv_bytes / {"H100": 3.35e12, "H200": 4.8e12}.get(
-                next((k for k in ("H100", "H200") if k in gpu), "H200"), 4.8e12) * 1000
-            result["batches"].append(row)
-            print(json.dumps(row), flush=True)
-            del graphs, graph
+        for attention in args.attention:
+            layers.set_one_query_attention(tts, attention)
+            for span in spans:
+                for batch in args.batches:
+                    packed = packed_rows(batch, args, tts.config.num_vq, device)
+                    forward = lambda b, p=packed, n=span: audio_window(  # noqa: E731
+                        tts, cache, p, rows[:b], True, args.steps, n)
+                    graphs = capture_per_bucket([batch], forward)
+                    graph, _ = graphs[batch]
+                    graph_ms = elapsed_ms(graph.replay, args.repeats)
+                    row = {"attention": attention, "span": span, "batch": batch,
+                           "graph_ms_per_frame": graph_ms / args.steps,
+                           "kv_bytes_per_frame": cache.bytes_per_slot * batch * span / (args.positions + 1)}
+                    row["kv_read_ms_at_peak_est"] = row["kv_bytes_per_frame"] / peak * 1000
+                    result["batches"].append(row)
+                    print(json.dumps(row), flush=True)
+                    del graphs, graph
 
-        batch = max(args.batches)
-        packed = packed_rows(batch, args, tts.config.num_vq, device)
-        audio_window(tts, cache, packed, rows[:batch], True, 1)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            audio_window(tts, cache, packed, rows[:batch], True, 1)
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events)
-    kernels = [{"name": e.key[:120], "calls": e.count, "gpu_us": round(e.self_device_time_total, 1)}
-               for e in events[:25]]
-    result["profile_one_frame"] = {"batch": batch, "gpu_us_total": round(total, 1), "top_kernels": kernels}
-    for k in kernels:
-        print(f"{k['gpu_us']:>10.1f} us  {k['calls']:>5}  {k['name']}")
-    print(f"total GPU time of one frame at batch {batch}: {total / 1000:.2f} ms")
+        result["profile_one_frame"] = []
+        for attention in args.attention:
+            layers.set_one_query_attention(tts, attention)
+            for batch in (min(args.batches), max(args.batches)):
+                packed = packed_rows(batch, args, tts.config.num_vq, device)
+                audio_window(tts, cache, packed, rows[:batch], True, 1)
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    audio_window(tts, cache, packed, rows[:batch], True, 1)
+                    torch.cuda.synchronize()
+                result["profile_one_frame"].append(kernel_table(prof, attention, batch))
     tag = gpu.split()[1].lower() if len(gpu.split()) > 1 else "gpu"
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"audio-step-{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

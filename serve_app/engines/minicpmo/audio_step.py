@@ -46,10 +46,12 @@ def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor
 
 
 def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
-               rows: torch.Tensor, contiguous: bool) -> torch.Tensor:
+               rows: torch.Tensor, contiguous: bool, key_count: int | None = None) -> torch.Tensor:
     """Advance each row one audio frame; returns codes [B, num_vq].
 
-    Inactive rows write to the scratch position and see only key 0; their codes are garbage.
+    Attention reads the first ``key_count`` cache positions (all by default; every active
+    row's position must be below it). Inactive rows write to the scratch position and see
+    only key 0; their codes are garbage.
     """
     cfg = tts.config
     batch = packed.shape[0]
@@ -59,7 +61,7 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
     position = packed[:, POSITION]
     bos_ids = torch.full_like(position, cfg.audio_bos_token_id)
     embeds = torch.where(bos[:, None], tts.emb_text(bos_ids), tts.code_embedding(frames))[:, None]
-    keys = torch.arange(cache.max_positions + 1, device=packed.device)
+    keys = torch.arange(key_count or cache.max_positions + 1, device=packed.device)
     visible = audio_visibility(keys, position, position, packed[:, TEXT_LEN], cfg)
     visible = torch.where(active[:, None], visible, keys[None, :] == 0)
     write = torch.where(active, position, torch.full_like(position, cache.scratch_position))
@@ -85,7 +87,8 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
 
 
 def audio_window(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
-                 rows: torch.Tensor, contiguous: bool, steps: int) -> torch.Tensor:
+                 rows: torch.Tensor, contiguous: bool, steps: int,
+                 key_count: int | None = None) -> torch.Tensor:
     """Up to ``steps`` audio steps per row without the host: returns [steps, B, num_vq + 1],
     each frame's codes and, in the last column, 1 where the row really made that frame.
 
@@ -98,7 +101,7 @@ def audio_window(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor
     frames = []
     for _ in range(steps):
         made = packed[:, ACTIVE]
-        codes = audio_step(tts, cache, packed, rows, contiguous)
+        codes = audio_step(tts, cache, packed, rows, contiguous, key_count)
         frames.append(torch.cat([codes, made[:, None]], dim=1))
         ended = (codes == eos_code).any(dim=1) & (packed[:, CALL_FRAMES] >= packed[:, EOS_AFTER])
         still = (made.bool() & (packed[:, STEPS_LEFT] > 1) & ~ended).long()
@@ -112,11 +115,26 @@ def audio_window(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor
     return torch.stack(frames)
 
 
+def key_count_buckets(total: int) -> list[int]:
+    """Attention spans the audio graphs are captured for: 512, 768, 1024, then steps of 512,
+    up to ``total`` (the whole cache) itself."""
+    spans = [512, 768] + list(range(1024, total, 512))
+    return sorted({s for s in spans if s < total} | {total})
+
+
+def attention_span(packed_rows: torch.Tensor, steps: int, spans: list[int]) -> int:
+    """The shortest of ``spans`` that holds every row's last position in a window of ``steps``."""
+    last = int(packed_rows[:, POSITION].max()) + steps - 1
+    return next((span for span in spans if span > last), spans[-1])
+
+
 class AudioStepGraphs:
-    """:func:`audio_window` captured as CUDA graphs, one per batch-size bucket.
+    """:func:`audio_window` captured as CUDA graphs, one per batch-size bucket and attention span.
 
     A bucket of size ``b`` steps slots ``0..b-1`` (slots are handed out lowest first, so the
-    busy ones stay packed); rows that are not generating this step are inactive padding.
+    busy ones stay packed); rows that are not generating this step are inactive padding. The
+    span is the shortest that holds every row's last position of the window, so attention does
+    not read the empty end of the cache.
     """
 
     def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
@@ -129,22 +147,27 @@ class AudioStepGraphs:
         self.host = torch.zeros(slots, PACKED_COLUMNS, dtype=torch.long).pin_memory()
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.spans = key_count_buckets(cache.max_positions + 1)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture_all(self) -> None:
-        self.graphs = capture_per_bucket(
-            self.buckets,
-            lambda b: audio_window(self.tts, self.cache, self.packed[:b], self.rows[:b], True, self.steps))
+        keyed = [(b, span) for b in self.buckets for span in self.spans]
+        graphs = capture_per_bucket(
+            list(range(len(keyed))),
+            lambda i: audio_window(self.tts, self.cache, self.packed[:keyed[i][0]],
+                                   self.rows[:keyed[i][0]], True, self.steps, keyed[i][1]))
+        self.graphs = {keyed[i]: graph for i, graph in graphs.items()}
 
     def run(self, slots: list[int], packed_rows: torch.Tensor) -> torch.Tensor:
         """``packed_rows`` [B, columns] (CPU) for streams in ``slots``; returns the window
         [steps, B, vq + 1] (CPU), as :func:`audio_window`."""
         bucket = next(b for b in self.buckets if b > max(slots))
+        span = attention_span(packed_rows, self.steps, self.spans)
         self.host[:bucket].zero_()
         index = torch.tensor(slots)
         self.host[index] = packed_rows
         self.packed[:bucket].copy_(self.host[:bucket], non_blocking=True)
-        graph, out = self.graphs[bucket]
+        graph, out = self.graphs[(bucket, span)]
         graph.replay()
         return out[:, index.to(out.device)].cpu()
 
@@ -163,7 +186,8 @@ def text_prefill_step(tts: SpeechTokenModel, cache: SlotKVCache, ids: torch.Tens
     embeds = tts.emb_text(ids)
     embeds = torch.where(speaker_at[:, :, None], speaker[:, None, :].to(embeds.dtype), embeds)
     write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
-    attend = causal_attend(positions, valid, cache.max_positions + 1)
+    # text lies below condition_length: attention need not read the audio part of the cache
+    attend = causal_attend(positions, valid, min(tts.config.condition_length, cache.max_positions + 1))
     tts(embeds, cache, StepInputs(rows, positions, write, attend, contiguous))
 
 

@@ -56,13 +56,21 @@ from .audio_step import (
     WARP,
     AudioStepGraphs,
     TextPrefillGraphs,
+    attention_span,
     audio_visibility,
     audio_window,
+    key_count_buckets,
     text_prefill_step,
 )
 from .codec import StreamingAudioJoiner
 from .decode_graphs import MultiLengthDecodeGraphs
-from .layers import SlotKVCache, StepInputs, causal_attend
+from .layers import (
+    ONE_QUERY_KERNELS,
+    SlotKVCache,
+    StepInputs,
+    causal_attend,
+    set_one_query_attention,
+)
 from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step, sample_next_token
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
 from .quantization import check_mode as check_quantization
@@ -110,12 +118,17 @@ class EngineOptions:
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
+    one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul (layers.py)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        if self.one_query_attention not in ONE_QUERY_KERNELS:
+            raise ValueError(f"one_query_attention must be one of {ONE_QUERY_KERNELS}")
+        if self.steps_per_sync < 1:
+            raise ValueError("steps_per_sync must be at least 1")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -203,7 +216,10 @@ class MiniCPMOEngine:
         self._wake = threading.Event()
         self._stop = False
         self._stats = EngineStats(max_slots=options.max_slots)
-        self._window = max(options.steps_per_sync, 1)
+        self._window = options.steps_per_sync
+        set_one_query_attention(model.tts, options.one_query_attention)
+        set_one_query_attention(model.llm, options.one_query_attention)
+        self._spans = key_count_buckets(options.tts_max_positions + 1)
         self._traces: dict[str, SpeechSchedule] = {}
         self._step_counter = itertools.count()
         self._graphs = (AudioStepGraphs(model.tts, self.tts_cache, self.device, self._window)
@@ -812,8 +828,9 @@ class MiniCPMOEngine:
             window = self._graphs.run(slots, packed)
         else:
             rows = torch.tensor(slots, device=self.device)
+            span = attention_span(packed, self._window, self._spans)
             window = audio_window(self.model.tts, self.tts_cache, packed.to(self.device), rows, False,
-                                  self._window).cpu()
+                                  self._window, span).cpu()
         made = window[:, :, -1].sum(dim=0).tolist()
         codes = window[:, :, :-1].permute(1, 0, 2).tolist()  # [B][steps][vq]
         for stream, count, frames in zip(streams, made, codes):

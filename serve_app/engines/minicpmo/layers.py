@@ -73,7 +73,8 @@ class StepInputs:
 
     ``rows``: slot index of each row [B]; ``positions``: rotary positions [B, S];
     ``write_positions``: where each token's K/V goes [B, S] (scratch for padding);
-    ``attend``: boolean mask [B, 1, S, T] over the cache positions (True = visible);
+    ``attend``: boolean mask [B, 1, S, T] over the first T cache positions (True = visible;
+    a T shorter than the cache makes attention read only those positions);
     ``contiguous``: rows are exactly ``0..B-1``, so the cache is sliced instead of gathered.
     """
 
@@ -104,6 +105,7 @@ class SlotAttention(nn.Module):
         self.k_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
         self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+        self.one_query_kernel = "sdpa"  # see set_one_query_attention
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -115,13 +117,45 @@ class SlotAttention(nn.Module):
         row_index = step.rows[:, None]
         keys[row_index, :, step.write_positions] = k.transpose(1, 2)
         values[row_index, :, step.write_positions] = v.transpose(1, 2)
+        span = step.attend.shape[-1]
+        keys, values = keys[:, :, :span], values[:, :, :span]
         if step.contiguous:
             row_keys, row_values = keys[:batch], values[:batch]
         else:
             row_keys, row_values = keys[step.rows], values[step.rows]
-        out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=step.attend,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        if seq == 1 and self.one_query_kernel == "matmul":
+            out = one_query_attention(q, row_keys, row_values, step.attend)
+        else:
+            out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=step.attend,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+ONE_QUERY_KERNELS = ("sdpa", "matmul")
+
+
+def set_one_query_attention(model: nn.Module, kernel: str) -> None:
+    """Choose how the decoders in ``model`` attend for one query per row (decode steps):
+    ``sdpa`` (torch's fused kernels) or ``matmul`` (:func:`one_query_attention`)."""
+    if kernel not in ONE_QUERY_KERNELS:
+        raise ValueError(f"one-query attention must be one of {ONE_QUERY_KERNELS}, not {kernel!r}")
+    for module in model.modules():
+        if isinstance(module, SlotAttention):
+            module.one_query_kernel = kernel
+
+
+def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        attend: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per row (q [B, H, 1, D]; keys/values [B, Hkv, T, D]; attend
+    [B, 1, 1, T]) as two batched matmuls with a float32 softmax; query heads that share a
+    key/value head are stacked as rows of one matmul."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * dim ** -0.5
+    scores = scores.masked_fill(~attend, float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(batch, heads, 1, dim)
 
 
 class DecoderLayer(nn.Module):
