@@ -11,10 +11,20 @@ from typing import Any
 import httpx
 import pytest
 
-# SERVE_TEST_PORT lets two test runs share a machine.
-PORT = int(os.environ.get("SERVE_TEST_PORT", "8765"))
 API_KEY = "test-key-123"
 APP_NAME = "tts"
+# For Ray processes started by this session only (the controller and the proxy read them).
+RAY_ENV = {
+    # Ray's proxy binds its port with SO_REUSEPORT by default, so a second test session on the
+    # same port shares it without an error and the kernel spreads connections over both
+    # clusters: requests for an app only this session runs then get 404s from the other one.
+    # Off, a taken port fails serve.start instead.
+    "SERVE_SOCKET_REUSE_PORT_ENABLED": "0",
+    # Ray's 5 s (ready) and 10 s (health) proxy checks miss on a loaded two-core machine; after
+    # three misses the controller kills the proxy and serve.start fails.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+}
 
 
 @dataclass
@@ -49,14 +59,25 @@ def server() -> Server:
     from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 
     # address="local": always a fresh cluster of our own, never one already running here.
-    # Ray's Prometheus export port (scripts/serve fixes it to 8080): a free one, so test
-    # sessions side by side never collide. Metrics arrive within a second (Ray's default: 10 s).
+    # Its HTTP port (SERVE_TEST_PORT, else a free one) and Ray's Prometheus export port
+    # (scripts/serve fixes it to 8080) are this session's own, so test sessions side by side
+    # never collide. Metrics arrive within a second (Ray's default: 10 s).
+    port = int(os.environ.get("SERVE_TEST_PORT") or _free_port())
     metrics_port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
-             log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
+    saved = {name: os.environ.get(name) for name in RAY_ENV}
+    os.environ.update(RAY_ENV)  # inherited by the raylet, hence by every Ray worker
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
+                 log_to_driver=False, _metrics_export_port=metrics_port,
+                 _system_config={"metrics_report_interval_ms": 1000})
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = AppArgs(
             engine="piper",
             engine_options={"intra_op_threads": 2, "max_batch_size": 8},
@@ -66,7 +87,7 @@ def server() -> Server:
             api=ApiConfig(api_key=API_KEY),
         )
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        base_url = f"http://127.0.0.1:{PORT}"
+        base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while httpx.get(f"{base_url}/readyz", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "service never became ready"
