@@ -69,9 +69,17 @@ from .layers import (
     SlotKVCache,
     StepInputs,
     causal_attend,
+    fuse_projections,
     set_one_query_attention,
 )
-from .llm_step import LLMStepGraphs, LLMStepInputs, llm_decode_step, sample_next_token
+from .llm_step import (
+    LLMPrefillGraphs,
+    LLMStepGraphs,
+    LLMStepInputs,
+    llm_decode_step,
+    llm_prefill,
+    sample_next_token,
+)
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
 from .quantization import check_mode as check_quantization
 from .schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
@@ -119,6 +127,7 @@ class EngineOptions:
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul (layers.py)
+    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
@@ -217,6 +226,9 @@ class MiniCPMOEngine:
         self._stop = False
         self._stats = EngineStats(max_slots=options.max_slots)
         self._window = options.steps_per_sync
+        if options.fuse_projections:
+            fuse_projections(model.tts)
+            fuse_projections(model.llm)
         set_one_query_attention(model.tts, options.one_query_attention)
         set_one_query_attention(model.llm, options.one_query_attention)
         self._spans = key_count_buckets(options.tts_max_positions + 1)
@@ -229,8 +241,11 @@ class MiniCPMOEngine:
                                 if self._graphs is not None else None)
         self._llm_graphs = (LLMStepGraphs(model.llm, self.llm_cache, self._penalty_width, self.device)
                             if self._graphs is not None else None)
+        self._llm_prefill_graphs = (LLMPrefillGraphs(model.llm, cfg.llm, self.device, self.dtype)
+                                    if self._graphs is not None else None)
         if self._graphs is not None:
             self._graphs.capture_all()
+            self._llm_prefill_graphs.capture_all()
             self._prefill_graphs.capture_all()
             self._llm_graphs.capture_all()
             decode_graphs = MultiLengthDecodeGraphs(
@@ -598,47 +613,54 @@ class MiniCPMOEngine:
     # ---- LLM ---------------------------------------------------------------------------------
 
     def _prefill_llm(self, streams: list[_Stream]) -> None:
+        """Prefill the prompts of newly admitted streams (up to 8 per pass): every stream gets its
+        speaker embedding; chat streams keep their keys and values in their LLM slot and sample
+        their first token."""
         tok = self.model.tokenizer
         prompts = [tok(s.plan.prompt, add_special_tokens=False)["input_ids"] + self._gen_prompt_ids
                    for s in streams]
+        for start in range(0, len(streams), 8):
+            self._prefill_pass(streams[start:start + 8], prompts[start:start + 8])
+
+    def _prefill_pass(self, streams: list[_Stream], prompts: list[list[int]]) -> None:
         longest = max(len(p) for p in prompts)
         batch = len(streams)
-        chat = [s.plan.pieces is None for s in streams]
-        if all(chat):
-            cache, rows = self.llm_cache, torch.tensor([s.llm_slot for s in streams], device=self.device)
-        else:
-            cache = SlotKVCache(self.model.config.llm, batch, longest, self.device, self.dtype)
-            rows = torch.arange(batch, device=self.device)
         ids = torch.zeros(batch, longest, dtype=torch.long)
         valid = torch.zeros(batch, longest, dtype=torch.bool)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
             valid[i, : len(p)] = True
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        positions = torch.arange(longest, device=self.device).expand(batch, longest)
-        write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
-        step = StepInputs(rows, positions, write, causal_attend(positions, valid, cache.max_positions + 1))
-        hidden = self.model.llm.hidden_states(ids, cache, step)
+        graphs = self._llm_prefill_graphs
+        if graphs is not None and graphs.fits(batch, longest):
+            hidden = graphs.run(ids, valid)
+            cache = graphs.cache
+        else:
+            cache = SlotKVCache(self.model.config.llm, batch, longest, self.device, self.dtype)
+            hidden = llm_prefill(self.model.llm, cache, ids.to(self.device), valid.to(self.device),
+                                 torch.arange(batch, device=self.device), True)
+        every = torch.arange(batch, device=self.device)
         spk_index = torch.tensor([max(i for i, t in enumerate(p) if t == self._spk_id) for p in prompts],
                                  device=self.device)
-        spk_hidden = hidden[torch.arange(batch, device=self.device), spk_index]
-        speakers = self.model.tts.speaker_embedding(spk_hidden)
+        speakers = self.model.tts.speaker_embedding(hidden[every, spk_index])
         for i, stream in enumerate(streams):
             stream.speaker = speakers[i]
-        chat_streams = [(i, s) for i, s in enumerate(streams) if s.plan.pieces is None]
-        if not chat_streams:
+        chat = [i for i, s in enumerate(streams) if s.plan.pieces is None]
+        if not chat:
             return
-        if not all(chat):  # mixed batch: redo the chat prompts into their own slots
-            self._prefill_llm([s for _, s in chat_streams])
-            return
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        logits = self.model.llm.logits(hidden[torch.arange(batch, device=self.device), last])
-        for i, stream in enumerate(streams):
+        for i in chat:  # the chat stream's prompt stays in its LLM slot for decoding
+            length, slot = len(prompts[i]), streams[i].llm_slot
+            for source, target in ((cache.keys, self.llm_cache.keys), (cache.values, self.llm_cache.values)):
+                for layer_source, layer_target in zip(source, target):
+                    layer_target[slot, :, :length] = layer_source[i, :, :length]
+        last = torch.tensor([len(prompts[i]) - 1 for i in chat], device=self.device)
+        logits = self.model.llm.logits(hidden[torch.tensor(chat, device=self.device), last])
+        chat_streams = [streams[i] for i in chat]
+        for i, stream in zip(chat, chat_streams):
             stream.llm_len = len(prompts[i])
             stream.penalty_window = list(self._gen_prompt_ids)
-            stream.piece_decoder = PieceDecoder(tok.decode, self._terminators)
-        tokens = self._sample_llm(streams, logits)
-        for stream, token in zip(streams, tokens):
+            stream.piece_decoder = PieceDecoder(self.model.tokenizer.decode, self._terminators)
+        tokens = self._sample_llm(chat_streams, logits)
+        for stream, token in zip(chat_streams, tokens):
             self._accept_token(stream, token)
 
     def _sample_llm(self, streams: list[_Stream], logits: torch.Tensor) -> list[int]:

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import (
+from transformers.models.llama.modeling_llama import (  # the math is transformers' own
     LlamaMLP,
     LlamaRMSNorm,
     apply_rotary_pos_emb,
+    rotate_half,
 )
 
 
@@ -106,14 +107,33 @@ class SlotAttention(nn.Module):
         self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
         self.one_query_kernel = "sdpa"  # see set_one_query_attention
+        self.qkv_weight: torch.Tensor | None = None  # see fuse_projections
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """One matmul for q, k and v: their weights become views of one concatenated tensor
+        (the checkpoint names and the memory stay as they are)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_weight is not None or not _plain_linears(projections):
+            return
+        self.qkv_weight, self.qkv_bias = _concatenate_linears(projections)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
         batch, seq, _ = hidden.shape
-        q = self.q_proj(hidden).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias).view(batch, seq, heads + 2 * kv_heads, dim)
+            qk = qkv[:, :, :heads + kv_heads].transpose(1, 2)
+            v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
+            # transformers' rotary formula, applied to queries and keys in one pass
+            qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = self.q_proj(hidden).view(batch, seq, heads, dim).transpose(1, 2)
+            k = self.k_proj(hidden).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            v = self.v_proj(hidden).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
         row_index = step.rows[:, None]
         keys[row_index, :, step.write_positions] = k.transpose(1, 2)
         values[row_index, :, step.write_positions] = v.transpose(1, 2)
@@ -158,11 +178,58 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return torch.matmul(probs, values).reshape(batch, heads, 1, dim)
 
 
+def _plain_linears(linears: tuple[nn.Module, ...]) -> bool:
+    """Plain float ``nn.Linear`` layers (not quantized tensor subclasses)."""
+    return all(type(m) is nn.Linear and type(m.weight.data) is torch.Tensor for m in linears)
+
+
+def _concatenate_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output dimension and make
+    each layer's parameters views of the result; returns the concatenated weight and bias."""
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+class GatedMLP(LlamaMLP):
+    """transformers' Llama MLP; after :meth:`fuse_projections` gate and up are one matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        if (self.gate_up_weight is None and _plain_linears((self.gate_proj, self.up_proj))
+                and self.gate_proj.bias is None):
+            self.gate_up_weight, _ = _concatenate_linears((self.gate_proj, self.up_proj))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None:
+            return super().forward(x)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fewer, larger matmuls in every decoder layer of ``model`` (q/k/v, gate/up); layers whose
+    weights are quantized stay as they are."""
+    for module in model.modules():
+        if isinstance(module, (SlotAttention, GatedMLP)):
+            module.fuse_projections()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, shape: DecoderShape, mlp_config: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = SlotAttention(shape)
-        self.mlp = LlamaMLP(mlp_config)
+        self.mlp = GatedMLP(mlp_config)
         self.input_layernorm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .graphs import bucket_sizes, capture_per_bucket
-from .layers import SlotKVCache, StepInputs
+from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
 from .modeling import QwenLM
 from .sampling import (
     apply_repetition_penalty,
@@ -92,3 +92,60 @@ class LLMStepGraphs:
         graph, out = self.graphs[bucket]
         graph.replay()
         return out[index].cpu()
+
+
+def llm_prefill(llm: QwenLM, cache: SlotKVCache, ids: torch.Tensor, valid: torch.Tensor,
+                rows: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """Causal prefill of prompts ``ids`` [B, L] (``valid`` marks real tokens, left-aligned) into
+    ``cache`` rows ``rows`` at positions ``0..L-1``; returns the hidden states [B, L, H].
+    Attention reads only the first L positions of the cache."""
+    batch, length = ids.shape
+    positions = torch.arange(length, device=ids.device).expand(batch, length)
+    write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
+    step = StepInputs(rows, positions, write, causal_attend(positions, valid, length), contiguous)
+    return llm.hidden_states(ids, cache, step)
+
+
+class LLMPrefillGraphs:
+    """:func:`llm_prefill` as CUDA graphs over a cache of its own, per (batch, prompt length)
+    bucket: admission prefills are a few prompts of tens to hundreds of tokens, and eager they
+    cost more in kernel launches than in weight reads. The caller copies the keys and values a
+    chat stream keeps into its slot."""
+
+    def __init__(self, llm: QwenLM, shape: DecoderShape, device: torch.device, dtype: torch.dtype,
+                 max_batch: int = 8, lengths: tuple[int, ...] = (64, 128, 256, 512)) -> None:
+        self.llm = llm
+        self.cache = SlotKVCache(shape, max_batch, max(lengths), device, dtype)
+        self.ids = torch.zeros(max_batch, max(lengths), dtype=torch.long, device=device)
+        self.valid = torch.zeros(max_batch, max(lengths), dtype=torch.bool, device=device)
+        self.rows = torch.arange(max_batch, device=device)
+        self.batches = bucket_sizes(max_batch)
+        self.lengths = sorted(lengths)
+        self.keys = [(b, n) for b in self.batches for n in self.lengths]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, index: int) -> torch.Tensor:
+        batch, length = self.keys[index]
+        return llm_prefill(self.llm, self.cache, self.ids[:batch, :length], self.valid[:batch, :length],
+                           self.rows[:batch], True)
+
+    def capture_all(self) -> None:
+        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
+        self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
+
+    def fits(self, count: int, longest: int) -> bool:
+        return count <= self.batches[-1] and longest <= self.lengths[-1]
+
+    def run(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``ids``/``valid`` [B, L] on the CPU (within :meth:`fits`); returns hidden [B, L, H],
+        valid until the next replay; keys and values are in ``self.cache`` rows ``0..B-1``."""
+        count, longest = ids.shape
+        batch = next(b for b in self.batches if b >= count)
+        length = next(n for n in self.lengths if n >= longest)
+        self.ids[:batch, :length] = 0
+        self.valid[:batch, :length] = False
+        self.ids[:count, :longest] = ids.to(self.ids.device)
+        self.valid[:count, :longest] = valid.to(self.ids.device)
+        graph, out = self.graphs[(batch, length)]
+        graph.replay()
+        return out[:count, :longest]
