@@ -1,6 +1,7 @@
 """Decoder layers that read and write a slot-based KV cache.
 
-The math (RMSNorm, gated MLP, rotary embedding) is transformers' own Llama/Qwen2 code; what is
+The math (gated MLP, rotary embedding) is transformers' own Llama/Qwen2 code, RMSNorm is torch's
+fused ``rms_norm`` with transformers' parameters (one kernel instead of seven); what is
 ours is the attention over a preallocated cache of ``slots x positions`` with per-row write
 positions and masks, so admission and completion never reallocate and decode steps keep static
 shapes. Module attribute names mirror the checkpoint keys (``self_attn.q_proj`` ...), so loading
@@ -225,13 +226,22 @@ def fuse_projections(model: nn.Module) -> None:
             module.fuse_projections()
 
 
+class RMSNorm(LlamaRMSNorm):
+    """transformers' Llama RMSNorm (same parameters and epsilon) computed by torch's fused
+    ``rms_norm``: in float32 it gives the same numbers; in bfloat16 it rounds once at the end
+    instead of once before the weight."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden, self.weight.shape, self.weight, self.variance_epsilon)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, shape: DecoderShape, mlp_config: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = SlotAttention(shape)
         self.mlp = GatedMLP(mlp_config)
-        self.input_layernorm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.input_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -249,7 +259,7 @@ class SlotDecoder(nn.Module):
                                  intermediate_size=shape.intermediate_size,
                                  hidden_act="silu", mlp_bias=False)
         self.layers = nn.ModuleList([DecoderLayer(shape, mlp_config) for _ in range(shape.num_layers)])
-        self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.norm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cache: SlotKVCache, step: StepInputs) -> torch.Tensor:
         cos, sin = rotary_cos_sin(step.positions, self.shape.head_dim, self.shape.rope_theta,
