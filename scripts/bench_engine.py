@@ -365,6 +365,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None,
                         help="load this checkpoint (official layout) instead of random weights")
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="combine result JSONs of one GPU and commit (e.g. a read run and a chat "
+                             "run, each within the device's per-command time) into --out, and exit")
     parser.add_argument("--plot-only", default=None, help="redraw the PNG of an existing JSON and exit")
     parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
                         help="LLM weight-only quantization (torchao)")
@@ -372,6 +375,13 @@ def main() -> None:
                         help="measure bf16 and --quantization on the same random weights")
     parser.add_argument("--logit-prompt-tokens", type=int, default=128)
     args = parser.parse_args()
+    if args.merge:
+        merged = merge_results([json.loads(Path(p).read_text()) for p in args.merge])
+        out = Path(args.out or ROOT / "docs" / "benchmarks" / "engine-merged.json")
+        out.write_text(json.dumps(merged, indent=2))
+        plot(merged, out.with_suffix(".png"))
+        print(f"wrote {out}")
+        return
     if args.plot_only:
         plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
         return
@@ -448,6 +458,22 @@ def main() -> None:
     print(json.dumps(result.get("baseline_sequential_eager"), indent=2))
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}")
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from runs of different modes: per-mode tables joined, sweeps concatenated."""
+    gpus = {r["gpu"] for r in results}
+    commits = {r["git_commit"] for r in results}
+    if len(gpus) != 1 or len(commits) != 1:
+        raise SystemExit(f"refusing to merge runs of different GPUs or commits: {gpus} {commits}")
+    merged = dict(results[0])
+    merged["command"] = [r["command"] for r in results]
+    merged["sweep"] = [row for r in results for row in r["sweep"]]
+    for key in ("single_stream", "max_realtime_streams", "baseline_sequential_eager", "versus_baseline"):
+        merged[key] = {mode: value for r in results for mode, value in r.get(key, {}).items()}
+    peaks = [r["peak_gpu_memory_gb"] for r in results if r.get("peak_gpu_memory_gb") is not None]
+    merged["peak_gpu_memory_gb"] = max(peaks) if peaks else None
+    return merged
 
 
 def plot(result: dict, path: Path) -> None:
