@@ -2,7 +2,9 @@
 """Do batched greedy codes equal single-stream codes on this device and dtype?
 
 Builds full-size random weights (the real config's shapes), runs ``--streams`` greedy read
-requests one at a time and then all together (staggered), and compares every stream's codes.
+requests and ``--chat-streams`` greedy chat requests one at a time and then all together
+(staggered), and compares every stream's codes (and, for chat, the answer it spoke: batched chat
+steps go through the LLM prefill graphs and the LLM step that overlaps the TTS work).
 Writes a JSON with the agreement per dtype (fp32 is expected to agree exactly; bf16 reductions
 differ with the batch shape, so some streams may diverge after a near-tie).
 """
@@ -22,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_app.engines.base import LengthControls, SpeechRequest  # noqa: E402
+from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
 
@@ -38,33 +40,44 @@ def codes_of(engine: MiniCPMOEngine, request_id: str) -> np.ndarray:
     return np.asarray(frames)
 
 
-async def run(engine: MiniCPMOEngine, requests: list[SpeechRequest], stagger_s: float) -> None:
-    async def one(request: SpeechRequest, delay: float) -> None:
+async def run(engine: MiniCPMOEngine, requests: list[SpeechRequest], stagger_s: float) -> dict[str, str]:
+    """Run the requests (the i-th after ``i * stagger_s``); returns the text each one spoke."""
+    async def one(request: SpeechRequest, delay: float) -> str:
         await asyncio.sleep(delay)
         (stream,) = engine.submit([request])
-        async for _ in stream:
-            pass
+        return "".join([chunk.text async for chunk in stream])
 
-    await asyncio.gather(*(one(r, i * stagger_s) for i, r in enumerate(requests)))
+    texts = await asyncio.gather(*(one(r, i * stagger_s) for i, r in enumerate(requests)))
+    return {r.request_id: text for r, text in zip(requests, texts)}
 
 
 def check(dtype: torch.dtype, args: argparse.Namespace) -> dict:
     model = random_speech_model(ROOT / "tests" / "golden" / "chattts_tokenizer", args.device, dtype)
-    options = EngineOptions(device=args.device, max_slots=max(args.streams, 2), max_chat_slots=2,
+    options = EngineOptions(device=args.device, max_slots=max(args.streams + args.chat_streams, 2),
+                            max_chat_slots=max(args.chat_streams, 1),
                             tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy",
                             keep_traces=True, cuda_graphs=not args.no_graphs)
     engine = MiniCPMOEngine(model, options)
     lengths = LengthControls(ignore_eos=True, audio_frames=args.frames)
 
+    chat_lengths = LengthControls(ignore_eos=True, audio_frames=args.frames, llm_tokens=30)
+    greedy = SamplingParams(temperature=0.0)
+
     def request(index: int, tag: str) -> SpeechRequest:
+        if index >= args.streams:
+            return SpeechRequest(request_id=f"{tag}-{index}", text=TEXTS[index % len(TEXTS)], mode="chat",
+                                 sampling=greedy, lengths=chat_lengths)
         return SpeechRequest(request_id=f"{tag}-{index}", text=TEXTS[index % len(TEXTS)],
                              mode="read", lengths=lengths)
 
-    for index in range(args.streams):
-        asyncio.run(run(engine, [request(index, "alone")], 0.0))
-    asyncio.run(run(engine, [request(i, "batched") for i in range(args.streams)], args.stagger_s))
+    total = args.streams + args.chat_streams
+    spoken: dict[str, str] = {}
+    for index in range(total):
+        spoken.update(asyncio.run(run(engine, [request(index, "alone")], 0.0)))
+    spoken.update(asyncio.run(run(engine, [request(i, "batched") for i in range(total)], args.stagger_s)))
     agree, first_divergence = 0, []
-    for index in range(args.streams):
+    chat_same = sum(spoken[f"alone-{i}"] == spoken[f"batched-{i}"] for i in range(args.streams, total))
+    for index in range(total):
         alone, batched = codes_of(engine, f"alone-{index}"), codes_of(engine, f"batched-{index}")
         same = alone.shape == batched.shape and np.array_equal(alone, batched)
         agree += same
@@ -75,9 +88,10 @@ def check(dtype: torch.dtype, args: argparse.Namespace) -> dict:
     engine.close()
     del engine, model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return {"dtype": str(dtype).replace("torch.", ""), "streams": args.streams, "frames": args.frames,
-            "identical_streams": agree, "agreement": agree / args.streams,
-            "first_divergent_frame": first_divergence}
+    return {"dtype": str(dtype).replace("torch.", ""), "streams": total, "read_streams": args.streams,
+            "chat_streams": args.chat_streams, "frames": args.frames,
+            "identical_streams": agree, "agreement": agree / total,
+            "chat_answers_identical": chat_same, "first_divergent_frame": first_divergence}
 
 
 def main() -> None:
@@ -85,6 +99,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--chat-streams", type=int, default=4)
     parser.add_argument("--frames", type=int, default=150)
     parser.add_argument("--stagger-s", type=float, default=0.05)
     parser.add_argument("--no-graphs", action="store_true")
