@@ -256,7 +256,6 @@ class MiniCPMOEngine:
                 self._decoder = decode_graphs
             except RuntimeError:
                 logger.exception("decode could not be captured as a CUDA graph; decoding eagerly")
-        self._llm_stream = torch.cuda.Stream(self.device) if self._llm_graphs is not None else None
         self._phase_s: dict[str, float] = collections.defaultdict(float)
         self._faults = FaultInjection.from_options(options.fault_injection)
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
@@ -439,7 +438,7 @@ class MiniCPMOEngine:
             self._inject_faults()
         self._admit(step)
         t = self._phase("admit_prefill", t)
-        launched = self._llm_decode()
+        self._llm_decode()
         t = self._phase("llm_decode", t)
         prefills: list[tuple[_Stream, object]] = []
         for stream in list(self._active.values()):
@@ -460,10 +459,7 @@ class MiniCPMOEngine:
         for stream in list(self._active.values()):
             if stream.schedule is not None and stream.schedule.phase is Phase.DONE:
                 self._complete(stream)
-        t = self._phase("decode_emit", t)
-        if launched is not None:
-            self._collect_llm_tokens(launched)
-            self._phase("llm_decode", t)
+        self._phase("decode_emit", t)
         with self._lock:
             self._stats.steps += 1
             self._stats.last_batch_size = len(generating)
@@ -698,46 +694,19 @@ class MiniCPMOEngine:
                 heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.llm_slot = -1
 
-    def _llm_candidates(self) -> list[_Stream]:
-        return [s for s in self._active.values()
-                if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0
-                and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
-
-    def _llm_decode(self) -> tuple[list[_Stream], torch.Tensor, torch.cuda.Event] | None:
-        """One batched LLM step for every chat stream below its lookahead.
-
-        While audio is being generated (and steps run as CUDA graphs) the step is launched on a
-        stream of its own and its tokens are collected at the end of the engine step
-        (:meth:`_collect_llm_tokens`), so it overlaps the TTS work. Otherwise it runs at once,
-        with more steps (up to ``steps_per_sync``) while a stream's speech waits for its next
-        piece.
-        """
-        streams = self._llm_candidates()
-        if not streams:
-            return None
-        if self._llm_stream is not None and any(
-                s.schedule is not None and s.schedule.phase is Phase.GENERATING for s in self._active.values()):
-            tokens, done = self._llm_graphs.launch([s.llm_slot for s in streams], self._llm_inputs(streams),
-                                                   self._llm_stream)
-            return streams, tokens, done
+    def _llm_decode(self) -> None:
+        """One batched LLM step for every chat stream below its lookahead; more steps (up to
+        ``steps_per_sync``) while a stream's speech waits for its next piece."""
         for _ in range(self._window):
+            streams = [s for s in self._active.values()
+                       if s.plan.pieces is None and not s.text_done and s.llm_slot >= 0
+                       and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+            if not streams:
+                return
             self._llm_decode_step(streams)
             if not any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
                        for s in streams):
-                return None
-            streams = self._llm_candidates()
-            if not streams:
-                return None
-        return None
-
-    def _collect_llm_tokens(self, launched: tuple[list[_Stream], torch.Tensor, torch.cuda.Event]) -> None:
-        streams, tokens, done = launched
-        done.synchronize()
-        for stream, token in zip(streams, tokens.tolist()):
-            stream.llm_len += 1
-            stream.llm_steps += 1
-            if not stream.done:
-                self._accept_token(stream, token)
+                return
 
     def _llm_decode_step(self, streams: list[_Stream]) -> None:
         inputs = self._llm_inputs(streams)

@@ -83,7 +83,7 @@ class LLMStepGraphs:
             self.buckets, lambda b: llm_decode_step(self.llm, self.cache, self.inputs.slice(b),
                                                     self.rows[:b], True))
 
-    def _replay(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
+    def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
         bucket = next(b for b in self.buckets if b > max(slots))
         index = torch.tensor(slots, device=self.rows.device)
         self.inputs.active[:bucket] = False
@@ -91,24 +91,7 @@ class LLMStepGraphs:
             getattr(self.inputs, f.name)[index] = getattr(x, f.name).to(self.rows.device)
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[index]
-
-    def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
-        """One step for the LLM slots ``slots``; returns their next tokens (CPU)."""
-        return self._replay(slots, x).cpu()
-
-    def launch(self, slots: list[int], x: LLMStepInputs, stream: torch.cuda.Stream
-               ) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Like :meth:`run`, but on ``stream`` (after the work queued so far on the current
-        stream) without waiting: the tokens land in the returned pinned tensor once the event
-        has completed, so the TTS steps of the same engine step overlap the LLM's weight reads."""
-        stream.wait_stream(torch.cuda.current_stream(self.rows.device))
-        with torch.cuda.stream(stream):
-            tokens = torch.empty(len(slots), dtype=torch.long, pin_memory=True)
-            tokens.copy_(self._replay(slots, x), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return tokens, done
+        return out[index].cpu()
 
 
 def llm_prefill(llm: QwenLM, cache: SlotKVCache, ids: torch.Tensor, valid: torch.Tensor,
