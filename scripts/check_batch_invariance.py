@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
+from serve_app.engines.minicpmo.loader import load_speech_model  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
 
 TEXTS = ["The quick brown fox jumps over the lazy dog near the quiet river bank.",
@@ -52,7 +53,10 @@ async def run(engine: MiniCPMOEngine, requests: list[SpeechRequest], stagger_s: 
 
 
 def check(dtype: torch.dtype, args: argparse.Namespace) -> dict:
-    model = random_speech_model(ROOT / "tests" / "golden" / "chattts_tokenizer", args.device, dtype)
+    if args.checkpoint:
+        model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype)
+    else:
+        model = random_speech_model(ROOT / "tests" / "golden" / "chattts_tokenizer", args.device, dtype)
     options = EngineOptions(device=args.device, max_slots=max(args.streams + args.chat_streams, 2),
                             max_chat_slots=max(args.chat_streams, 1),
                             tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy",
@@ -103,6 +107,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=150)
     parser.add_argument("--stagger-s", type=float, default=0.05)
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a model folder instead of full-size random weights (e.g. the tests' tiny one)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "batch-invariance.json"))
     args = parser.parse_args()
     started = time.perf_counter()
