@@ -50,6 +50,7 @@ from serve_app.engines.base import (
     RequestAbortedError,
     SpeechRequest,
 )
+from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class PiperEngine:
                  max_text_chars: int = 4096, max_queued_streams: int = 256,
                  fault_injection: dict[str, Any] | FaultInjection | None = None) -> None:
         self._voice = voice
+        # piper-tts's espeak bridge leaks every clause it phonemizes (see espeak_refs).
+        release_leaked_clause_refs(voice)
         self._config: PiperConfig = voice.config
         self.sample_rate_hz: int = self._config.sample_rate
         self.max_batch_size = max_batch_size if has_durations else 1
