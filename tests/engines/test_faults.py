@@ -13,6 +13,7 @@ from serve_app.engines.base import EngineError, EngineOverloadedError, SpeechReq
 from serve_app.engines.faults import CRASH_EXIT_CODE, FaultInjection
 from serve_app.engines.piper_engine import PiperEngine
 from serve_app.engines.registry import create_engine
+from tests.engines.streams import drain
 
 TEXT = "Hello from the serving stack. This second sentence is a little longer. And a third one."
 FAULTS = {"fail_request_text": "FAIL", "stall_request_text": "STALL",
@@ -38,21 +39,11 @@ def test_injection_is_off_by_default_and_rejects_unknown_options() -> None:
     assert faults.action("C F", 1) == "crash" and faults.action("plain", 5) is None
 
 
-async def _drain(iterator) -> tuple[int, BaseException | None]:
-    chunks = 0
-    try:
-        async for _ in iterator:
-            chunks += 1
-    except Exception as exc:
-        return chunks, exc
-    return chunks, None
-
-
 def test_a_failing_stream_ends_with_an_error_after_its_first_chunk_and_others_finish(
         engine: PiperEngine) -> None:
     async def run():
         iterators = engine.submit([SpeechRequest("ok", TEXT), SpeechRequest("bad", f"FAIL {TEXT}")])
-        return await asyncio.gather(*(_drain(it) for it in iterators))
+        return await asyncio.gather(*(drain(it) for it in iterators))
 
     failed = engine.stats().failed
     (good_chunks, good_error), (bad_chunks, bad_error) = asyncio.run(run())
@@ -67,10 +58,10 @@ def test_stalled_and_slow_streams_hold_back_without_blocking_others(engine: Pipe
                                               SpeechRequest("slow", f"SLOW {TEXT}"),
                                               SpeechRequest("plain", TEXT)])
         started = time.monotonic()
-        plain_result = await _drain(plain)  # not held up by the stalled stream
-        slow_result = await _drain(slow)
+        plain_result = await drain(plain)  # not held up by the stalled stream
+        slow_result = await drain(slow)
         slow_s = time.monotonic() - started
-        stall_task = asyncio.ensure_future(_drain(stalled))
+        stall_task = asyncio.ensure_future(drain(stalled))
         await asyncio.sleep(0.3)
         assert not stall_task.done()
         engine.abort("stall")
@@ -89,7 +80,7 @@ def test_the_engine_queue_is_bounded(engine: PiperEngine) -> None:
             engine.submit([SpeechRequest("one-too-many", TEXT)])
         for i in range(6):
             engine.abort(f"s{i}")
-        await asyncio.gather(*(_drain(it) for it in held))
+        await asyncio.gather(*(drain(it) for it in held))
 
     asyncio.run(run())
 

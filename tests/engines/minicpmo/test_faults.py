@@ -10,6 +10,7 @@ import torch
 from serve_app.engines.base import EngineError, LengthControls, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
 from serve_app.engines.minicpmo.loader import load_speech_model
+from tests.engines.streams import drain
 
 TEXT = "This sentence keeps the stream going for a few chunks. " * 3
 # Random tiny weights never stop by themselves: a fixed length of several chunks.
@@ -26,16 +27,6 @@ def engine(tiny_checkpoint):
     engine = MiniCPMOEngine(model, options)
     yield engine
     engine.close()
-
-
-async def drain(stream) -> tuple[int, BaseException | None]:
-    chunks = 0
-    try:
-        async for _ in stream:
-            chunks += 1
-    except Exception as exc:
-        return chunks, exc
-    return chunks, None
 
 
 def test_an_injected_failure_ends_only_its_own_stream_after_its_first_chunk(engine) -> None:
