@@ -647,11 +647,14 @@ class MiniCPMOEngine:
         chat = [i for i, s in enumerate(streams) if s.plan.pieces is None]
         if not chat:
             return
-        for i in chat:  # the chat stream's prompt stays in its LLM slot for decoding
-            length, slot = len(prompts[i]), streams[i].llm_slot
-            for source, target in ((cache.keys, self.llm_cache.keys), (cache.values, self.llm_cache.values)):
-                for layer_source, layer_target in zip(source, target):
-                    layer_target[slot, :, :length] = layer_source[i, :, :length]
+        # the chat prompts stay in their LLM slots for decoding: one copy per layer for all of
+        # them (positions past a prompt's end are rewritten by decoding before any query sees them)
+        rows = torch.tensor(chat, device=self.device)
+        slots = torch.tensor([streams[i].llm_slot for i in chat], device=self.device)
+        longest_chat = max(len(prompts[i]) for i in chat)
+        for source, target in ((cache.keys, self.llm_cache.keys), (cache.values, self.llm_cache.values)):
+            for layer_source, layer_target in zip(source, target):
+                layer_target[slots, :, :longest_chat] = layer_source[rows, :, :longest_chat]
         last = torch.tensor([len(prompts[i]) - 1 for i in chat], device=self.device)
         logits = self.model.llm.logits(hidden[torch.tensor(chat, device=self.device), last])
         chat_streams = [streams[i] for i in chat]
