@@ -17,6 +17,14 @@ Locust's tables show all four in their "ms" columns. With ``LOADTEST_RECORDS=pat
 is also appended to a JSON-lines file (what ``scripts/loadtest`` turns into its summary and plot),
 including streams still open when the run ended (``ok: null``; Locust itself drops those).
 
+``ScheduledListener`` (``locust ... ScheduledListener``, used by ``scripts/bench_serve``) replays
+a fixed arrival schedule instead: ``LOADTEST_SCHEDULE`` names a JSON file ``{"t0": epoch s,
+"route": ..., "body": {...}, "format": ..., "sample_rate": ..., "arrivals_s": [...]}``; user i
+starts its one stream at ``t0 + arrivals_s[i]`` and stops, and the run quits after the last one.
+
+Every record says whether the stream was real-time: a player that starts at the first byte
+never runs dry (each piece arrives before the audio already received has played out).
+
 Environment knobs: ``LOADTEST_API_KEY`` (Bearer key), ``LOADTEST_MIX`` (text lengths, e.g.
 ``short=5,medium=3,long=1``), ``LOADTEST_WEIGHTS`` (tasks, e.g. ``openai=3,read=2,chat=1``),
 ``LOADTEST_WAIT_S`` (think time ``min,max`` seconds, default ``0.5,2``), ``LOADTEST_SHAPE``
@@ -36,8 +44,10 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import gevent
 from gevent import GreenletExit
 from locust import HttpUser, LoadTestShape, between, events, task
+from locust.exception import StopUser
 from requests.exceptions import RequestException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # locust imports us by path
@@ -140,6 +150,7 @@ class SpeechUser(HttpUser):
         started_at = time.time()
         started = time.perf_counter()
         ttfb_s: float | None = None
+        ran_dry = False
         error: str | None = None
         status = None
         try:
@@ -154,8 +165,11 @@ class SpeechUser(HttpUser):
                     try:
                         for piece in response.iter_content(chunk_size=None):
                             if piece:
+                                now = time.perf_counter()
                                 if ttfb_s is None:
-                                    ttfb_s = time.perf_counter() - started
+                                    ttfb_s = now - started
+                                elif now - started - ttfb_s > audio.audio_s + 1e-3:
+                                    ran_dry = True
                                 audio.feed(piece)
                     except (RequestException, ValueError) as exc:
                         error = (f"stream broken after {audio.body_bytes} bytes: "
@@ -173,23 +187,24 @@ class SpeechUser(HttpUser):
             # The run ended (past --stop-timeout) with this stream open: neither success nor
             # failure, and Locust drops it too; the records keep it as unfinished.
             self._record(started_at, name, length, None, status, ttfb_s,
-                         time.perf_counter() - started, audio, "unfinished when the run ended")
+                         time.perf_counter() - started, audio, "unfinished when the run ended",
+                         realtime=False)
             raise
         if error is None:
             self._fire("TTFB", name, ttfb_s * 1000)
             self._fire("AUDIO", name, audio.audio_s * 1000)
             self._fire("RTF", name, total_s / audio.audio_s * 1000)
         self._record(started_at, name, length, error is None, status, ttfb_s, total_s, audio,
-                     error)
+                     error, realtime=error is None and not ran_dry)
 
     def _record(self, started_at: float, name: str, length: str, ok: bool | None,
                 status: int | None, ttfb_s: float | None, total_s: float, audio: AudioCounter,
-                error: str | None) -> None:
+                error: str | None, realtime: bool) -> None:
         runner = self.environment.runner
         RECORDS.write({
             "start": started_at, "route": name, "length": length, "ok": ok, "status": status,
             "ttfb_s": ttfb_s, "total_s": total_s, "audio_s": audio.audio_s,
-            "bytes": audio.body_bytes, "error": error,
+            "bytes": audio.body_bytes, "error": error, "realtime": realtime,
             "users": runner.user_count if runner else None,
         })
 
@@ -197,6 +212,45 @@ class SpeechUser(HttpUser):
         self.environment.events.request.fire(request_type=metric, name=name,
                                              response_time=value, response_length=0,
                                              exception=None, context={})
+
+
+class ScheduledListener(SpeechUser):
+    """One stream per user at a fixed time (``LOADTEST_SCHEDULE``); the run ends after the last.
+
+    Start as many users as the schedule has arrivals, all at once (``-u N -r N``).
+    """
+
+    abstract = "LOADTEST_SCHEDULE" not in os.environ
+    wait_time = between(0, 0)
+    _schedule: ClassVar[dict[str, Any] | None] = None
+    _claimed: ClassVar[int] = 0
+    _finished: ClassVar[int] = 0
+
+    @classmethod
+    def schedule(cls) -> dict[str, Any]:
+        if cls._schedule is None:
+            cls._schedule = json.loads(Path(os.environ["LOADTEST_SCHEDULE"]).read_text())
+        return cls._schedule
+
+    def scheduled_stream(self) -> None:
+        plan = ScheduledListener.schedule()
+        arrivals = plan["arrivals_s"]
+        index = ScheduledListener._claimed
+        ScheduledListener._claimed += 1
+        if index >= len(arrivals):
+            raise StopUser()
+        gevent.sleep(max(0.0, plan["t0"] + arrivals[index] - time.time()))
+        try:
+            self._stream(plan["route"], plan["body"], plan["name"], plan["name"],
+                         AudioCounter(plan["format"], plan["sample_rate"]))
+        finally:
+            ScheduledListener._finished += 1
+            if ScheduledListener._finished == len(arrivals):
+                # Quit from another greenlet: quitting stops this one too.
+                gevent.spawn_later(0.5, self.environment.runner.quit)
+        raise StopUser()
+
+    tasks = [scheduled_stream]  # not SpeechUser's tasks
 
 
 class _ShapeBase(LoadTestShape):

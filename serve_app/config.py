@@ -6,23 +6,22 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Each hop (synthesizer, encoder, ingress) waits this much longer than the one below it, so the
-# innermost timeout fires first and names the real cause.
-HOP_MARGIN_S = 5.0
-
 
 class BatchingConfig(BaseModel):
     """The synthesizer's ``@serve.batch`` admission knobs; live-changeable via ``user_config``.
 
-    ``max_concurrent_batches`` bounds how many admitted batches stream at once (each batch holds
-    its permit until its longest stream ends), so it also bounds the engine's continuous batch.
+    A batch is one engine submission: requests that arrive within ``batch_wait_timeout_s`` of
+    each other (up to ``max_batch_size``) are admitted together, so their prefills share a pass.
+    The batch ends as soon as its requests are submitted; their streams then run in the engine's
+    continuous batch, bounded by its slots and the deployment's ``max_ongoing_requests``, never
+    by these knobs. ``max_concurrent_batches`` bounds submissions in progress at once.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     max_batch_size: int = Field(8, ge=1, le=4096)
     batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=10.0)
-    max_concurrent_batches: int = Field(4, ge=1, le=4096)
+    max_concurrent_batches: int = Field(1, ge=1, le=4096)
 
 
 class ApiConfig(BaseModel):
@@ -55,7 +54,6 @@ class ApiConfig(BaseModel):
     body_timeout_s: float = Field(10.0, gt=0)
     # On shutdown or downscale, the synthesizer waits this long for its streams to finish.
     drain_timeout_s: float = Field(60.0, ge=0)
-    default_sample_rate_hz: int = 24000
     # Names /v1/models lists and /v1/audio/speech accepts besides the engine's own model id.
     model_aliases: list[str] = Field(default_factory=lambda: ["tts-1", "tts-1-hd",
                                                              "gpt-4o-mini-tts"])

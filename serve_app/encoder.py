@@ -9,33 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.audio import StreamEncoder
-from serve_app.config import HOP_MARGIN_S
+from serve_app.errors import ApiError
+from serve_app.hops import HOP_MARGIN_S, relay_error, within
 from serve_app.logs import use_replica_log
-from serve_app.messages import EncodeJob, StreamError
+from serve_app.messages import EncodeJob
 from serve_app.metrics import EncoderMetrics
 
 logger = logging.getLogger(__name__)
-
-
-def _upstream_error(request_id: str, exc: BaseException) -> StreamError:
-    if isinstance(exc, BackPressureError):
-        return StreamError(message="the service is at capacity; retry shortly", status_code=503,
-                           code="overloaded", type="service_unavailable")
-    if isinstance(exc, TimeoutError):
-        logger.error("request %s: synthesizer sent nothing in time", request_id)
-        return StreamError(message="speech synthesis timed out", status_code=504,
-                           code="timeout", type="server_error")
-    # A dead synthesizer replica (RayActorError) lands here too; Serve restarts it.
-    logger.error("request %s: synthesizer stream failed (%s)", request_id, type(exc).__name__)
-    return StreamError(message="speech synthesis failed; retry shortly", status_code=503,
-                       code="synthesis_unavailable", type="service_unavailable")
 
 
 @serve.deployment(name="AudioEncoder", max_ongoing_requests=256, max_queued_requests=256,
@@ -49,16 +35,17 @@ class AudioEncoder:
         self._first_chunk_timeout_s = first_chunk_timeout_s + HOP_MARGIN_S
         self._chunk_timeout_s = chunk_timeout_s + HOP_MARGIN_S
 
-    async def stream(self, job: EncodeJob) -> AsyncIterator[bytes | StreamError]:
-        """Encoded bytes of one stream; a rejected or failed stream ends with a StreamError."""
+    async def stream(self, job: EncodeJob) -> AsyncIterator[bytes | ApiError]:
+        """Encoded bytes of one stream; a rejected or failed stream ends with an ApiError."""
         started_s = time.perf_counter()
         audio_s = 0.0
+        request_id = job.request.request_id
         chunks = self._synthesizer.synthesize.options(stream=True).remote(job.request)
         encoder: StreamEncoder | None = None
         finished = False
         try:
-            async for item in self._items(chunks, job.request.request_id):
-                if isinstance(item, StreamError):
+            async for item in within(chunks, self._first_chunk_timeout_s, self._chunk_timeout_s):
+                if isinstance(item, ApiError):
                     finished = True
                     yield item
                     return
@@ -79,22 +66,10 @@ class AudioEncoder:
             finished = True
             self._metrics.stream_finished(job.audio_format, audio_s,
                                           time.perf_counter() - started_s)
+        except Exception as exc:
+            yield relay_error(request_id, "the synthesizer", exc)
         finally:
             if not finished:
-                # Our caller went away: stop the synthesizer stream too (it aborts the engine).
+                # Our caller went away, or the synthesizer failed: stop its stream too (the
+                # synthesizer then aborts the engine stream).
                 chunks.cancel()
-
-    async def _items(self, chunks: Any, request_id: str) -> AsyncIterator[Any]:
-        """The synthesizer's items, each within its timeout; a failure becomes a StreamError."""
-        timeout_s = self._first_chunk_timeout_s
-        while True:
-            try:
-                item = await asyncio.wait_for(chunks.__anext__(), timeout_s)
-            except StopAsyncIteration:
-                return
-            except Exception as exc:
-                chunks.cancel()
-                yield _upstream_error(request_id, exc)
-                return
-            timeout_s = self._chunk_timeout_s
-            yield item

@@ -1,14 +1,20 @@
-"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}``.
+"""The service's one error type, and every error a hop may answer with, written once.
 
-Errors are raised where detected and turned into HTTP here, once; nothing below ever carries a
-traceback, a file path or a secret.
+An :class:`ApiError` is raised where an error is detected in the ingress, or sent in-band as a
+stream's only (or last) item by the synthesizer and the encoder: the first item of a stream
+decides the HTTP status, and an error object survives the hop between replicas unchanged. The
+ingress turns it into OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``),
+once. Nothing here carries a traceback, a file path or a secret; no web framework is imported.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from fastapi.responses import JSONResponse
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
 
 _TYPES_BY_STATUS = {
     400: "invalid_request_error",
@@ -24,7 +30,10 @@ _TYPES_BY_STATUS = {
 
 
 class ApiError(Exception):
-    """An error the ingress answers with; ``status_code`` is the HTTP status."""
+    """An error the service answers with; ``status_code`` is the HTTP status.
+
+    503 and 429 answers say when to retry (``Retry-After``) unless ``headers`` says otherwise.
+    """
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None,
                  code: str | None = None, error_type: str | None = None,
@@ -36,13 +45,56 @@ class ApiError(Exception):
         self.code = code
         self.error_type = error_type or _TYPES_BY_STATUS.get(
             status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+        if headers is None and status_code in (429, 503):
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         self.headers = headers
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields: pickle (Ray's hop between replicas) must rebuild them by name.
+        return (_rebuild, (self.status_code, self.message, self.param, self.code,
+                           self.error_type, self.headers))
 
-def error_body(error: ApiError) -> dict[str, Any]:
-    return {"error": {"message": error.message, "type": error.error_type, "param": error.param,
-                      "code": error.code}}
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.code}}
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status_code, headers=error.headers)
+def _rebuild(status_code: int, message: str, param: str | None, code: str | None,
+             error_type: str, headers: dict[str, str] | None) -> ApiError:
+    return ApiError(status_code, message, param=param, code=code, error_type=error_type,
+                    headers=headers)
+
+
+def invalid_request(message: str, param: str | None, code: str, status_code: int = 400
+                    ) -> ApiError:
+    """The caller asked for something that cannot be served (an engine's refusal, say)."""
+    return ApiError(status_code, message, param=param, code=code)
+
+
+def overloaded() -> ApiError:
+    """Every queue on the way is full; the caller should retry."""
+    return ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
+                    error_type="service_unavailable")
+
+
+def not_ready(message: str = "the speech engine is not available; retry shortly") -> ApiError:
+    return ApiError(503, message, code="not_ready")
+
+
+def timed_out(request_id: str, where: str, waited_s: float) -> ApiError:
+    """Nothing arrived in time; logged with the hop that waited."""
+    logger.error("request %s: %s sent nothing for %.1f s", request_id, where, waited_s)
+    return ApiError(504, "speech synthesis timed out", code="timeout", error_type="server_error")
+
+
+def synthesis_failed(request_id: str, cause: BaseException) -> ApiError:
+    """The engine failed this stream; its own message may name internals, the caller's does not."""
+    logger.error("request %s: synthesis failed (%s)", request_id, type(cause).__name__)
+    return ApiError(500, "speech synthesis failed", code="synthesis_failed",
+                    error_type="server_error")
+
+
+def synthesis_unavailable(request_id: str, cause: BaseException) -> ApiError:
+    """A hop below failed (a replica died, say); Serve restarts it, so a retry may succeed."""
+    logger.error("request %s: upstream stream failed (%s)", request_id, type(cause).__name__)
+    return ApiError(503, "speech synthesis failed; retry shortly", code="synthesis_unavailable")

@@ -1,5 +1,6 @@
 """What the ingress checks and counts around every request, with no FastAPI routes in it.
 
+- :class:`RequestGuard`: the ASGI middleware that runs the checks below before any parsing.
 - :class:`KeyRing`: the accepted API keys, from the config, an environment variable or a file,
   compared in constant time. A key is named in logs by its position only ("key#2"), never by
   any part of its value.
@@ -7,7 +8,7 @@
   replica (503 with ``Retry-After``).
 - :class:`RequestRecord`: one log line per request with its id, mode, sizes, time to first
   byte and outcome; the request text only at debug level.
-- :class:`TimedPieces`: the encoder's stream with a timeout per piece and a wall-clock limit.
+- :func:`json_error`: an :class:`~serve_app.errors.ApiError` as the JSON reply, counted.
 """
 
 from __future__ import annotations
@@ -21,19 +22,22 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Scope, Send
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app import errors
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
+from serve_app.hops import StreamTimeout
 
 logger = logging.getLogger("serve_app.requests")
 
 REQUEST_ID_HEADER = "x-request-id"
 SPEECH_ROUTES = ("/v1/audio/speech", "/v1/speech/stream")
-RETRY_AFTER = {"Retry-After": "1"}
+JSON_MEDIA_TYPE = "application/json"
 
 
 def _split_keys(text: str) -> list[str]:
@@ -108,11 +112,9 @@ class StreamAdmission:
         if (key is not None and self.max_streams_per_key is not None
                 and self.per_key[key] >= self.max_streams_per_key):
             raise ApiError(429, f"this API key already has {self.max_streams_per_key} streams "
-                                "open; wait for one to finish", code="too_many_streams",
-                           headers=RETRY_AFTER)
+                                "open; wait for one to finish", code="too_many_streams")
         if self.active >= self.max_streams:
-            raise ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
-                           error_type="service_unavailable", headers=RETRY_AFTER)
+            raise errors.overloaded()
         self.active += 1
         if key is not None:
             self.per_key[key] += 1
@@ -166,7 +168,7 @@ class RequestRecord:
         if isinstance(exc, (asyncio.CancelledError, OSError, ClientDisconnect)):
             self.outcome = "disconnected"
         else:
-            self.outcome = "timeout" if isinstance(exc, StreamCut) and exc.timeout else "failed"
+            self.outcome = "timeout" if isinstance(exc, StreamTimeout) else "failed"
 
     def log(self) -> None:
         if self.outcome is None:
@@ -197,49 +199,111 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-class StreamCut(RuntimeError):
-    """A stream ended with an error after its headers were sent (the body is cut short)."""
+def json_error(error: ApiError, state: Any = None) -> JSONResponse:
+    """The error reply, counted in the ingress metrics when ``state`` (the app's) has them."""
+    metrics = getattr(state, "metrics", None)
+    if metrics is not None:
+        metrics.error(error.code, error.status_code)
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
-    def __init__(self, reason: str, timeout: bool = False) -> None:
-        super().__init__(reason)
-        self.timeout = timeout
 
+class RequestGuard:
+    """ASGI middleware: auth, content type, body size and stream admission, checked before any
+    parsing; one log line per request (:class:`RequestRecord`).
 
-class TimedPieces:
-    """The encoder's pieces, each within ``piece_timeout_s``, all before ``deadline_s``.
-
-    Any failure (timeout, wall-clock limit, a dead replica upstream) is logged with the request
-    id and raised as :class:`StreamCut`; ``cancel`` stops the upstream stream.
+    Reads the whole (bounded, timed) POST body itself, so a chunked body without Content-Length
+    is held to the same limits, then replays it to the app. A speech request holds its stream
+    permit (per key and per replica) until its reply has ended. The app's ``state`` holds the
+    ingress's ``api_config``, ``keys``, ``admission`` and ``metrics``.
     """
 
-    def __init__(self, pieces: Any, request_id: str, piece_timeout_s: float,
-                 max_stream_s: float, started_s: float) -> None:
-        self._pieces = pieces
-        self._request_id = request_id
-        self._piece_timeout_s = piece_timeout_s
-        self._max_stream_s = max_stream_s
-        self._deadline_s = started_s + max_stream_s
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self
-
-    async def __anext__(self) -> Any:
-        remaining_s = self._deadline_s - time.perf_counter()
-        if remaining_s <= 0:
-            raise self._cut(f"cut at the {self._max_stream_s:g} s limit per request", True)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        api: ApiConfig = getattr(state, "api_config", None) or ApiConfig()
+        keys: KeyRing | None = getattr(state, "keys", None)
+        if keys is None:
+            keys = KeyRing.from_config(api)
+        admission: StreamAdmission | None = getattr(state, "admission", None)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        record = RequestRecord(scope, headers)
+        send = record.watch(send)
         try:
-            return await asyncio.wait_for(self._pieces.__anext__(),
-                                          min(self._piece_timeout_s, remaining_s))
-        except StopAsyncIteration:
+            await self._guarded(api, keys, admission, record, headers, scope, receive, send)
+        except BaseException as exc:
+            record.failed(exc)
             raise
-        except TimeoutError:
-            raise self._cut("no audio in time", True) from None
-        except Exception as exc:
-            raise self._cut(f"upstream failed ({type(exc).__name__})") from None
+        finally:
+            record.log()
 
-    def _cut(self, reason: str, timeout: bool = False) -> StreamCut:
-        logger.error("request %s: stream cut: %s", self._request_id, reason)
-        return StreamCut(reason, timeout)
+    async def _guarded(self, api: ApiConfig, keys: KeyRing, admission: StreamAdmission | None,
+                       record: RequestRecord, headers: dict[str, str], scope: Scope,
+                       receive: Receive, send: Send) -> None:
+        admitted = False
+        try:
+            if record.path.startswith("/v1/"):
+                record.key = keys.authenticate(headers.get("authorization", ""))
+            if scope["method"] == "POST":
+                try:
+                    body = await asyncio.wait_for(_read_body(api, headers, receive),
+                                                  api.body_timeout_s)
+                except TimeoutError:
+                    raise ApiError(408, f"request body not received within "
+                                        f"{api.body_timeout_s:g} s", code="request_timeout")
+                record.body_bytes = len(body)
+                receive = _replay(body, receive)
+                if admission is not None and record.path in SPEECH_ROUTES:
+                    admission.acquire(record.key)
+                    admitted = True
+        except ApiError as error:
+            record.rejected(error)
+            await json_error(error, scope["app"].state)(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if admitted:
+                admission.release(record.key)
 
-    def cancel(self) -> None:
-        self._pieces.cancel()
+
+async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive) -> bytes:
+    media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        raise ApiError(415, "request body must be JSON (Content-Type: application/json)",
+                       code="unsupported_media_type")
+    too_large = ApiError(413, f"request body is larger than {api.max_body_bytes} bytes",
+                         code="request_too_large")
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > api.max_body_bytes:
+        raise too_large
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        body.extend(message.get("body", b""))
+        if len(body) > api.max_body_bytes:
+            raise too_large
+        if not message.get("more_body", False):
+            break
+    return bytes(body)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The buffered body once, then the real channel (so disconnects still arrive)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

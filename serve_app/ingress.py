@@ -18,143 +18,30 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve_app import __version__
+from serve_app import __version__, errors
 from serve_app.audio import CONTENT_TYPES, check_format_rate
-from serve_app.config import HOP_MARGIN_S, ApiConfig
+from serve_app.config import ApiConfig
 from serve_app.engines.base import SpeechRequest
-from serve_app.errors import ApiError, error_body, error_response
+from serve_app.errors import ApiError
 from serve_app.guard import (
-    RETRY_AFTER,
-    SPEECH_ROUTES,
+    REQUEST_ID_HEADER,
     KeyRing,
-    RequestRecord,
+    RequestGuard,
     StreamAdmission,
-    TimedPieces,
+    json_error,
 )
+from serve_app.hops import HOP_MARGIN_S, relay_error, within
 from serve_app.logs import use_replica_log
-from serve_app.messages import EncodeJob, EngineInfo, StreamError
+from serve_app.messages import EncodeJob, EngineInfo
 from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
 
 logger = logging.getLogger(__name__)
 
 OPENAI_PCM_RATE_HZ = 24000
-_JSON_MEDIA_TYPE = "application/json"
-REQUEST_ID_HEADER = "x-request-id"
-
-
-class RequestGuard:
-    """ASGI middleware: auth, content type, body size and stream admission, checked before any
-    parsing; one log line per request (:class:`RequestRecord`).
-
-    Reads the whole (bounded, timed) POST body itself, so a chunked body without Content-Length
-    is held to the same limits, then replays it to the app. A speech request holds its stream
-    permit (per key and per replica) until its reply has ended.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = scope["app"].state
-        api: ApiConfig = getattr(state, "api_config", None) or ApiConfig()
-        keys: KeyRing | None = getattr(state, "keys", None)
-        if keys is None:
-            keys = KeyRing.from_config(api)
-        admission: StreamAdmission | None = getattr(state, "admission", None)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
-        record = RequestRecord(scope, headers)
-        send = record.watch(send)
-        try:
-            await self._guarded(api, keys, admission, record, headers, scope, receive, send)
-        except BaseException as exc:
-            record.failed(exc)
-            raise
-        finally:
-            record.log()
-
-    async def _guarded(self, api: ApiConfig, keys: KeyRing, admission: "StreamAdmission | None",
-                       record: RequestRecord, headers: dict[str, str], scope: Scope,
-                       receive: Receive, send: Send) -> None:
-        admitted = False
-        try:
-            if record.path.startswith("/v1/"):
-                record.key = keys.authenticate(headers.get("authorization", ""))
-            if scope["method"] == "POST":
-                try:
-                    body = await asyncio.wait_for(self._read_body(api, headers, receive),
-                                                  api.body_timeout_s)
-                except TimeoutError:
-                    raise ApiError(408, f"request body not received within "
-                                        f"{api.body_timeout_s:g} s", code="request_timeout")
-                record.body_bytes = len(body)
-                receive = _replay(body, receive)
-                if admission is not None and record.path in SPEECH_ROUTES:
-                    admission.acquire(record.key)
-                    admitted = True
-        except ApiError as error:
-            record.rejected(error)
-            await _counted(scope["app"].state, error)(scope, receive, send)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if admitted:
-                admission.release(record.key)
-
-    @staticmethod
-    async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive) -> bytes:
-        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type != _JSON_MEDIA_TYPE:
-            raise ApiError(415, "request body must be JSON (Content-Type: application/json)",
-                           code="unsupported_media_type")
-        too_large = ApiError(413, f"request body is larger than {api.max_body_bytes} bytes",
-                             code="request_too_large")
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > api.max_body_bytes:
-            raise too_large
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            body.extend(message.get("body", b""))
-            if len(body) > api.max_body_bytes:
-                raise too_large
-            if not message.get("more_body", False):
-                break
-        return bytes(body)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The buffered body once, then the real channel (so disconnects still arrive)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-def _counted(state: Any, error: ApiError) -> JSONResponse:
-    """The error reply, counted in the metrics (when the deployment has set them up)."""
-    metrics: IngressMetrics | None = getattr(state, "metrics", None)
-    if metrics is not None:
-        metrics.error(error.code, error.status_code)
-    return error_response(error)
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -184,13 +71,13 @@ api_app.add_middleware(RequestGuard)
 
 @api_app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return _counted(request.app.state, exc)
+    return json_error(exc, request.app.state)
 
 
 @api_app.exception_handler(RequestValidationError)
 async def _request_validation_error(request: Request,
                                     exc: RequestValidationError) -> JSONResponse:
-    return _counted(request.app.state, _validation_error(exc))
+    return json_error(_validation_error(exc), request.app.state)
 
 
 @api_app.exception_handler(StarletteHTTPException)
@@ -203,37 +90,41 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                          code="method_not_allowed")
     else:
         error = ApiError(exc.status_code, str(exc.detail), code="http_error")
-    return _counted(request.app.state, error)
+    return json_error(error, request.app.state)
 
 
 @api_app.exception_handler(Exception)
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in the ingress")
-    _counted(request.app.state, ApiError(500, "internal server error", code="internal_error"))
-    return JSONResponse(error_body(ApiError(500, "internal server error", code="internal_error",
-                                            error_type="server_error")), status_code=500)
+    return json_error(ApiError(500, "internal server error", code="internal_error"),
+                      request.app.state)
 
 
 # Helpers sit above the deployment: serve.deployment pickles the class when it is decorated.
-async def _body(first: bytes, pieces: DeploymentResponseGenerator, request_id: str,
+async def _body(first: bytes, pieces: AsyncIterator[bytes | ApiError],
+                upstream: DeploymentResponseGenerator, request_id: str,
                 metrics: IngressMetrics) -> AsyncIterator[bytes]:
+    """The reply body after its first piece. Headers are gone by now: a failure cuts the chunked
+    body short, which is how HTTP says "failed"."""
     finished = False
     metrics.stream_started()
     try:
         if first:
             yield first
         async for piece in pieces:
-            if isinstance(piece, StreamError):
-                # Headers are gone: cutting the chunked body short is how HTTP says "failed".
-                logger.error("stream %s failed mid-way: %s", request_id, piece.code)
+            if isinstance(piece, ApiError):
+                logger.error("request %s: stream failed mid-way: %s", request_id, piece.code)
                 metrics.error(piece.code, "mid_stream")
                 raise RuntimeError("stream failed")
             yield piece
         finished = True
+    except Exception as exc:
+        logger.error("request %s: stream cut: %s", request_id, exc)
+        raise
     finally:
         metrics.stream_ended()
         if not finished:
-            pieces.cancel()
+            upstream.cancel()
 
 
 @functools.cache
@@ -286,8 +177,7 @@ class Ingress:
                                                     self._api.handle_timeout_s)
             except Exception as exc:
                 logger.error("engine info unavailable (%s)", type(exc).__name__)
-                raise ApiError(503, "the speech engine is not available; retry shortly",
-                               code="not_ready", headers=RETRY_AFTER) from None
+                raise errors.not_ready() from None
         return self._info
 
     @api_app.get("/", summary="Web page: type text, press Speak, hear it stream",
@@ -308,16 +198,17 @@ class Ingress:
         except Exception:
             ready = False
         if not ready:
-            return error_response(ApiError(503, "engine is not ready yet", code="not_ready",
-                                           headers={"Retry-After": "1"}))
+            return json_error(errors.not_ready("engine is not ready yet"))
         return JSONResponse({"status": "ready"})
 
     @api_app.get("/v1/models", summary="Models (OpenAI format)")
     async def models(self) -> dict[str, Any]:
         info = await self._engine_info()
         ids = [info.model_id, *self._api.model_aliases]
+        # A benchmark server (random weights, fixed lengths) says so on every model it lists.
+        extra = {"benchmark_mode": info.benchmark} if info.benchmark else {}
         return {"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": 0, "owned_by": "serve_app"}
+            {"id": model_id, "object": "model", "created": 0, "owned_by": "serve_app", **extra}
             for model_id in ids]}
 
     @api_app.get("/v1/voices", summary="Voices the engine speaks, and accepted aliases")
@@ -364,43 +255,28 @@ class Ingress:
 
     async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
                       received_s: float) -> StreamingResponse:
-        started_s = time.perf_counter()
         job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz)
-        pieces: DeploymentResponseGenerator = self._encoder.stream.options(stream=True).remote(job)
-        first_timeout_s = self._api.first_chunk_timeout_s + 2 * HOP_MARGIN_S
+        upstream: DeploymentResponseGenerator = (
+            self._encoder.stream.options(stream=True).remote(job))
+        pieces = within(upstream, self._api.first_chunk_timeout_s + 2 * HOP_MARGIN_S,
+                        self._api.chunk_timeout_s + 2 * HOP_MARGIN_S, self._api.max_stream_s)
         try:
-            # The first item tells rejection (StreamError) from audio, so the status is right.
-            first = await asyncio.wait_for(pieces.__anext__(), first_timeout_s)
+            # The first item tells rejection (ApiError) from audio, so the status is right.
+            first = await anext(pieces)
         except StopAsyncIteration:
             first = b""
-        except BackPressureError:
-            raise ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
-                           error_type="service_unavailable", headers=RETRY_AFTER)
-        except TimeoutError:
-            pieces.cancel()
-            logger.error("request %s: no audio within %g s", request.request_id, first_timeout_s)
-            raise ApiError(504, "speech synthesis timed out", code="timeout",
-                           error_type="server_error") from None
-        except Exception as exc:
-            pieces.cancel()
-            logger.error("request %s: encoder stream failed (%s)", request.request_id,
-                         type(exc).__name__)
-            raise ApiError(503, "speech synthesis failed; retry shortly",
-                           code="synthesis_unavailable", headers=RETRY_AFTER) from None
-        except BaseException:
-            pieces.cancel()
+        except BaseException as exc:
+            upstream.cancel()
+            if isinstance(exc, Exception):
+                raise relay_error(request.request_id, "the encoder", exc) from None
             raise
-        if isinstance(first, StreamError):
-            raise ApiError(first.status_code, first.message, param=first.param, code=first.code,
-                           error_type=first.type,
-                           headers=RETRY_AFTER if first.status_code == 503 else None)
-        pieces = TimedPieces(pieces, request.request_id,
-                             self._api.chunk_timeout_s + 2 * HOP_MARGIN_S,
-                             self._api.max_stream_s, started_s)
+        if isinstance(first, ApiError):
+            raise first
         if first:
             self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
                                        audio_format)
         # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
         headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
-        return StreamingResponse(_body(first, pieces, request.request_id, self._metrics),
+        return StreamingResponse(_body(first, pieces, upstream, request.request_id,
+                                       self._metrics),
                                  media_type=CONTENT_TYPES[audio_format], headers=headers)

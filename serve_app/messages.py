@@ -1,25 +1,13 @@
-"""Plain messages passed between deployments (pickled by Ray; no Ray import here)."""
+"""Plain messages passed between deployments (pickled by Ray; no Ray import here).
+
+A stream's failure travels in-band as a :class:`serve_app.errors.ApiError`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from serve_app.engines.base import SpeechRequest
-
-
-@dataclass(frozen=True)
-class StreamError:
-    """A stream's explicit failure, sent in-band as its only item; the ingress maps it to HTTP.
-
-    In-band rather than raised because the first item decides the HTTP status, and an error
-    object survives the hop between replicas unchanged.
-    """
-
-    message: str
-    status_code: int = 400
-    param: str | None = None
-    code: str = "invalid_request"
-    type: str = "invalid_request_error"
 
 
 @dataclass(frozen=True)
@@ -40,3 +28,6 @@ class EngineInfo:
     sample_rate_hz: int
     voices: list[str] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)
+    # The benchmark-only engine setting in force (random weights, fixed lengths); None in
+    # production. /v1/models shows it.
+    benchmark: dict | None = None

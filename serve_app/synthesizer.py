@@ -1,8 +1,9 @@
 """Synthesizer deployment: owns the engine and admits requests into it in ``@serve.batch`` batches.
 
-Each batch is submitted into the one shared engine, and up to ``max_concurrent_batches`` batches
-stream at once, so a request arriving while others play joins the engine's running batch
-(continuous batching happens inside the engine). The batching knobs come from the app config
+The batch is admission only: requests that arrive together are submitted to the engine as one
+batch (their prefills share a pass), and each request gets its own stream back at once. How many
+streams run is then bounded by the engine's slots and ``max_ongoing_requests``; a long stream
+never holds back the admission of the next request. The batching knobs come from the app config
 and change live through ``user_config`` (:meth:`Synthesizer.reconfigure`).
 """
 
@@ -17,17 +18,19 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from serve_app import errors
 from serve_app.config import BatchingConfig
 from serve_app.engines.base import (
     AudioChunk,
     EngineOverloadedError,
     InvalidRequestError,
-    RequestAbortedError,
     SpeechRequest,
 )
 from serve_app.engines.registry import create_engine
+from serve_app.errors import ApiError
+from serve_app.hops import StreamTimeout, within
 from serve_app.logs import use_replica_log
-from serve_app.messages import EngineInfo, StreamError
+from serve_app.messages import EngineInfo
 from serve_app.metrics import SynthesizerMetrics
 
 logger = logging.getLogger(__name__)
@@ -35,33 +38,13 @@ logger = logging.getLogger(__name__)
 # How often the engine gauges are refreshed while the engine is busy.
 METRICS_REFRESH_S = 0.5
 
-BatchItem = AudioChunk | StreamError
+Admitted = AsyncIterator[AudioChunk] | ApiError
 
 
-def _invalid(exc: InvalidRequestError) -> StreamError:
-    return StreamError(message=exc.message, status_code=exc.status_code, param=exc.param,
-                       code=exc.code)
-
-
-def _overloaded() -> StreamError:
-    return StreamError(message="the service is at capacity; retry shortly", status_code=503,
-                       code="overloaded", type="service_unavailable")
-
-
-def _failed(request_id: str, exc: BaseException) -> StreamError:
+def _refused(exc: InvalidRequestError | EngineOverloadedError) -> ApiError:
     if isinstance(exc, EngineOverloadedError):
-        return _overloaded()
-    if not isinstance(exc, RequestAbortedError):
-        logger.error("request %s: synthesis failed (%s)", request_id, type(exc).__name__)
-    # The engine's own message may name internals; the caller gets a generic one.
-    return StreamError(message="speech synthesis failed", status_code=500,
-                       code="synthesis_failed", type="server_error")
-
-
-def _timed_out(request_id: str, waited_s: float) -> StreamError:
-    logger.error("request %s: engine sent nothing for %.1f s; aborted", request_id, waited_s)
-    return StreamError(message="speech synthesis timed out", status_code=504, code="timeout",
-                       type="server_error")
+        return errors.overloaded()
+    return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
 
 
 # Fractional CPU by default so the whole app fits two cores; the YAML overrides per profile.
@@ -72,9 +55,9 @@ def _timed_out(request_id: str, waited_s: float) -> StreamError:
 class Synthesizer:
     """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
-    Timeouts: a stream waits at most ``first_chunk_timeout_s`` for its first chunk and
-    ``chunk_timeout_s`` for each later one, else it is aborted and ends with a 504 error.
-    On shutdown it waits up to ``drain_timeout_s`` for active streams (Serve drains first).
+    Timeouts: a stream waits at most ``first_chunk_timeout_s`` for its first chunk (admission
+    included) and ``chunk_timeout_s`` for each later one, else it is aborted and ends with a 504
+    error. On shutdown it waits up to ``drain_timeout_s`` for active streams (Serve drains first).
     """
 
     def __init__(self, engine: str, engine_options: dict[str, Any],
@@ -104,126 +87,99 @@ class Synthesizer:
         self._apply_batching(BatchingConfig.model_validate(user_config))
 
     def _apply_batching(self, config: BatchingConfig) -> None:
+        self._check_batching(config)
         previous = self._batching
         if previous is None or config.max_concurrent_batches != previous.max_concurrent_batches:
             # serve.batch has no setter for max_concurrent_batches: new requests go to a fresh
-            # queue while batches already admitted finish on the old one.
+            # queue while submissions already under way finish on the old one.
             self._batched = serve.batch(
                 max_batch_size=config.max_batch_size,
                 batch_wait_timeout_s=config.batch_wait_timeout_s,
                 max_concurrent_batches=config.max_concurrent_batches,
-            )(self._generate_batch)
+            )(self._admit_batch)
         else:
             self._batched.set_max_batch_size(config.max_batch_size)
             self._batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         self._batching = config
         logger.info("batching: %s", config.model_dump())
 
-    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[BatchItem]:
-        """Stream one request's chunks; a rejected or failed request yields one StreamError."""
-        try:
-            self._engine.validate(request)
-        except InvalidRequestError as exc:
-            yield _invalid(exc)
-            return
-        self._waiting_for_admission.add(request.request_id)
+    def _check_batching(self, config: BatchingConfig) -> None:
+        """Refuse knobs that cannot work; warn about knobs that waste capacity."""
+        if config.batch_wait_timeout_s >= self._first_chunk_timeout_s:
+            raise ValueError(f"batch_wait_timeout_s ({config.batch_wait_timeout_s:g} s) must be "
+                             f"shorter than first_chunk_timeout_s "
+                             f"({self._first_chunk_timeout_s:g} s): every request would time out")
+        context = serve.get_replica_context()
+        max_ongoing = context._deployment_config.max_ongoing_requests if context else None
+        slots = self._engine.stats().max_slots
+        if max_ongoing is not None and config.max_batch_size > max_ongoing:
+            logger.warning("max_batch_size %d > max_ongoing_requests %d: no batch can fill, each "
+                           "waits batch_wait_timeout_s", config.max_batch_size, max_ongoing)
+        if max_ongoing is not None and max_ongoing < slots:
+            logger.warning("max_ongoing_requests %d < the engine's %d slots: %d slots stay idle",
+                           max_ongoing, slots, slots - max_ongoing)
+        if config.max_batch_size > slots:
+            logger.warning("max_batch_size %d > the engine's %d slots: the rest of a batch waits "
+                           "in the engine's queue", config.max_batch_size, slots)
+
+    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
+        """Stream one request's chunks; a rejected or failed request ends with an ApiError.
+
+        The engine validates the request when its batch is submitted (once, touching nothing if
+        it refuses); a refusal is this stream's only item.
+        """
+        request_id = request.request_id
+        self._waiting_for_admission.add(request_id)
         self._watch_metrics()
-        finished = False
         self._in_flight += 1
-        batches = self._batched(request)
-        timeout_s = self._first_chunk_timeout_s
+        finished = False
+        items = within(self._admitted(request), self._first_chunk_timeout_s,
+                       self._chunk_timeout_s)
         try:
-            while True:
-                try:
-                    items = await asyncio.wait_for(anext(batches), timeout_s)
-                except StopAsyncIteration:
+            async for item in items:
+                yield item
+                if isinstance(item, ApiError):
                     break
-                except TimeoutError:
-                    self._engine.abort(request.request_id)
-                    finished = True
-                    yield _timed_out(request.request_id, timeout_s)
-                    return
-                for item in items:
-                    yield item
-                    if isinstance(item, StreamError):
-                        finished = True
-                        return
-                if items:
-                    timeout_s = self._chunk_timeout_s
             finished = True
+        except StreamTimeout as exc:
+            finished = True
+            self._engine.abort(request_id)
+            yield errors.timed_out(request_id, "the engine", exc.waited_s)
+        except Exception as exc:  # one failing stream never ends the others
+            finished = True
+            self._engine.abort(request_id)
+            yield errors.synthesis_failed(request_id, exc)
         finally:
             self._in_flight -= 1
-            self._waiting_for_admission.discard(request.request_id)
-            # Caller gone (cancelled or closed) before the end: free the engine slot now.
+            self._waiting_for_admission.discard(request_id)
+            # Caller gone (cancelled or closed) before the end: free the engine slot now. This
+            # also covers a request cancelled between its admission and its first chunk.
             if not finished:
-                self._engine.abort(request.request_id)
+                self._engine.abort(request_id)
 
-    async def _generate_batch(self, requests: list[SpeechRequest]
-                              ) -> AsyncIterator[list[Any]]:
-        """Batched body: per iteration, per request, the items that arrived since the last one.
+    async def _admitted(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
+        """Wait for the request's batch to be submitted, then relay its engine stream."""
+        admitted: Admitted = await self._batched(request)
+        self._waiting_for_admission.discard(request.request_id)
+        if isinstance(admitted, ApiError):
+            yield admitted
+            return
+        async for chunk in admitted:
+            yield chunk
 
-        An empty list means "nothing new yet"; ``StopIteration`` marks a finished request.
-        """
+    async def _admit_batch(self, requests: list[SpeechRequest]) -> list[Admitted]:
+        """Batched body: submit the batch and hand each request its stream; returns at once."""
         self._batch_sizes[len(requests)] += 1
-        self._waiting_for_admission.difference_update(r.request_id for r in requests)
-        iterators = self._submit(requests)
-        count = len(requests)
-        pending: list[list[BatchItem]] = [[] for _ in range(count)]
-        done = [False] * count
-        reported = [False] * count
-        arrived = asyncio.Event()
-
-        async def pump(index: int, iterator: AsyncIterator[AudioChunk] | StreamError) -> None:
-            try:
-                if isinstance(iterator, StreamError):
-                    pending[index].append(iterator)
-                    return
-                async for chunk in iterator:
-                    pending[index].append(chunk)
-                    arrived.set()
-            except Exception as exc:  # one failing stream never ends the others
-                pending[index].append(_failed(requests[index].request_id, exc))
-            finally:
-                done[index] = True
-                arrived.set()
-
-        tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-        try:
-            while not all(reported):
-                if not any(pending[i] or (done[i] and not reported[i]) for i in range(count)):
-                    await arrived.wait()
-                arrived.clear()
-                results: list[Any] = []
-                for i in range(count):
-                    if reported[i]:
-                        results.append(StopIteration)
-                    elif pending[i]:
-                        results.append(pending[i])
-                        pending[i] = []
-                    elif done[i]:
-                        reported[i] = True
-                        results.append(StopIteration)
-                    else:
-                        results.append([])
-                yield results
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    def _submit(self, requests: list[SpeechRequest]
-                ) -> list[AsyncIterator[AudioChunk] | StreamError]:
         try:
             return list(self._engine.submit(requests))
         except (InvalidRequestError, EngineOverloadedError):
             # One bad request must not sink its batch: admit the others one by one.
-            admitted: list[AsyncIterator[AudioChunk] | StreamError] = []
+            admitted: list[Admitted] = []
             for request in requests:
                 try:
                     admitted.extend(self._engine.submit([request]))
-                except InvalidRequestError as exc:
-                    admitted.append(_invalid(exc))
-                except EngineOverloadedError:
-                    admitted.append(_overloaded())
+                except (InvalidRequestError, EngineOverloadedError) as exc:
+                    admitted.append(_refused(exc))
             return admitted
 
     def _watch_metrics(self) -> None:
@@ -252,7 +208,8 @@ class Synthesizer:
         return EngineInfo(engine=self._engine_name,
                           model_id=getattr(self._engine, "model_id", self._engine_name),
                           sample_rate_hz=self._engine.sample_rate_hz,
-                          voices=list(self._engine.voices()), modes=list(self._engine.modes))
+                          voices=list(self._engine.voices()), modes=list(self._engine.modes),
+                          benchmark=getattr(self._engine, "benchmark", None))
 
     def stats(self) -> dict[str, Any]:
         """Engine counters plus the sizes of the ``@serve.batch`` batches formed so far."""

@@ -62,6 +62,7 @@ from .audio_step import (
     key_count_buckets,
     text_prefill_step,
 )
+from .benchmark_mode import BenchmarkMode
 from .codec import StreamingAudioJoiner
 from .decode_graphs import MultiLengthDecodeGraphs
 from .layers import (
@@ -82,6 +83,7 @@ from .llm_step import (
 )
 from .loader import DEFAULT_MODEL_ID, LoadedModel, load_speech_model
 from .quantization import check_mode as check_quantization
+from .quantization import quantize_llm
 from .schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
 from .text import (
     GENERATION_PROMPT,
@@ -131,6 +133,7 @@ class EngineOptions:
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
+    benchmark: dict | None = None  # benchmarks only: random weights, fixed lengths (benchmark_mode.py)
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
@@ -258,6 +261,7 @@ class MiniCPMOEngine:
                 logger.exception("decode could not be captured as a CUDA graph; decoding eagerly")
         self._phase_s: dict[str, float] = collections.defaultdict(float)
         self._faults = FaultInjection.from_options(options.fault_injection)
+        self._benchmark = BenchmarkMode.from_options(options.benchmark)
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
         self._thread.start()
 
@@ -273,8 +277,14 @@ class MiniCPMOEngine:
             raw["voices"] = tuple(raw["voices"])  # type: ignore[arg-type]
         options = EngineOptions(**raw)  # type: ignore[arg-type]
         started = time.perf_counter()
-        model = load_speech_model(options.model, options.revision, options.resolved_device(),
-                                  options.resolved_dtype(), quantization=options.quantization)
+        benchmark = BenchmarkMode(**options.benchmark) if options.benchmark else None
+        if benchmark is not None and benchmark.random_weights:
+            model = benchmark.random_model(options.resolved_device(), options.resolved_dtype())
+            if options.quantization != "none":
+                quantize_llm(model.llm, options.quantization)
+        else:
+            model = load_speech_model(options.model, options.revision, options.resolved_device(),
+                                      options.resolved_dtype(), quantization=options.quantization)
         logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
         return cls(model, options)
 
@@ -326,9 +336,16 @@ class MiniCPMOEngine:
             return StreamPlan(request, prompt, cut_into_pieces(ids, self.model.tokenizer.decode))
         return StreamPlan(request, prompt, None)
 
+    @property
+    def benchmark(self) -> dict | None:
+        """The benchmark-only setting in force (None in production)."""
+        return self._benchmark.describe() if self._benchmark is not None else None
+
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
         for request in requests:
             self.validate(request)
+        if self._benchmark is not None:
+            requests = [self._benchmark.fix_lengths(r) for r in requests]
         return self.submit_plans([self.plan(r) for r in requests])
 
     def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:

@@ -1,0 +1,407 @@
+"""The whole service on a GPU, loaded by Locust, beside the engine alone on the same GPU.
+
+    scripts/bench_serve --engine-results engine.json --out docs/benchmarks/served-h100.json
+
+It starts ``serve_config.yaml`` as users run it (``serve run``), with the benchmark-only engine
+setting (full-size random weights, every stream ``--audio-seconds`` long, chat answers
+``--chat-tokens`` tokens) and the engine options ``scripts/bench_engine.py`` uses, on one
+Synthesizer replica (one GPU). Then, per mode and level, Locust (``loadtest/locustfile.py``,
+``ScheduledListener``) replays the arrivals ``bench_engine.py`` uses: a burst of N streams, or
+Poisson arrivals holding N streams (2N requests). Per level it records TTFB p50/p90/p99, the
+share of streams that never ran dry, audio seconds per second, Locust's own summary, and the CPU
+each deployment's processes used. The engine-alone numbers come from a ``bench_engine.py`` JSON
+of the same machine (``--engine-results``); the output puts both side by side.
+
+A long sweep may not fit one device command: ``--keep-running`` leaves the service up (in its
+own session), a later call with ``--reuse`` measures against it, and ``--merge`` joins the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import yaml
+
+from loadtest.service import ROOT, replicas, start_service, stop_service
+
+APP = "tts"
+LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
+READ_TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving. "
+             "The weather today is sunny and warm, and I hope you have a wonderful day ahead.")
+CHAT_TEXT = "Tell me something nice about the sea."
+# The engine options bench_engine.py uses by default, so both runs build the same engine.
+BENCH_ENGINE_OPTIONS = {"max_slots": 256, "max_chat_slots": 128, "max_queued": 4096,
+                        "tts_max_positions": 1024, "llm_max_positions": 512,
+                        "tts_sampling": "sample"}
+REALTIME_SHARE = 0.99
+TTFB_P99_LIMIT_MS = 500.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/bench_serve",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml")
+    parser.add_argument("--modes", nargs="+", default=["read", "chat"])
+    parser.add_argument("--read-levels", nargs="+", type=int, default=[1, 64, 128, 256])
+    parser.add_argument("--chat-levels", nargs="+", type=int, default=[1, 32, 64, 128])
+    parser.add_argument("--arrivals", nargs="+", default=["poisson", "burst"])
+    parser.add_argument("--audio-seconds", type=float, default=10.0)
+    parser.add_argument("--chat-tokens", type=int, default=40)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="engine option over the bench defaults (value parsed as YAML)")
+    parser.add_argument("--deployment-option", action="append", default=[],
+                        metavar="DEPLOYMENT.KEY=VALUE",
+                        help="a deployment option over the config's, value parsed as YAML "
+                             "(e.g. Synthesizer.max_ongoing_requests=512)")
+    parser.add_argument("--tts-tokenizer", type=Path,
+                        default=ROOT / "tests" / "golden" / "chattts_tokenizer")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="real weights from this folder instead of random ones (lengths "
+                             "stay fixed); e.g. the tests' tiny checkpoint for a CPU smoke run")
+    parser.add_argument("--engine-results", type=Path, default=None,
+                        help="bench_engine.py's JSON from this machine, shown beside the served")
+    parser.add_argument("--stop-after-ttfb-ms", type=float, default=1500.0,
+                        help="skip a mode's larger levels once p99 TTFB passes this")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--reuse", action="store_true", help="measure the service already up")
+    parser.add_argument("--keep-running", action="store_true", help="leave the service up")
+    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-serve.log")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="join result JSONs of one GPU and commit into --out, and exit")
+    return parser.parse_args(argv)
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    parsed = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        parsed[key.strip()] = yaml.safe_load(value)
+    return parsed
+
+
+def bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The production config with the benchmark setting, the bench engine options, this port,
+    and one Synthesizer replica (one GPU here)."""
+    config = yaml.safe_load(args.config.read_text(encoding="utf-8"))
+    config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1",
+                              "port": args.port}
+    [app] = config["applications"]
+    app["name"] = APP
+    options = app["args"].setdefault("engine_options", {})
+    options.update(BENCH_ENGINE_OPTIONS)
+    options.update(_options(args.engine_option))
+    options["benchmark"] = {"random_weights": args.checkpoint is None,
+                            "tts_tokenizer": str(args.tts_tokenizer),
+                            "audio_seconds": args.audio_seconds, "chat_tokens": args.chat_tokens}
+    if args.checkpoint is not None:
+        options["model"] = str(args.checkpoint.resolve())
+    overrides = _options(args.deployment_option)
+    for deployment in app.get("deployments", []):
+        if deployment["name"] == "Synthesizer":
+            deployment.pop("autoscaling_config", None)
+            deployment["num_replicas"] = 1
+        for key, value in overrides.items():
+            name, _, option = key.partition(".")
+            if name == deployment["name"]:
+                deployment[option] = value
+    return config
+
+
+def arrivals_s(level: int, arrival: str, audio_seconds: float) -> list[float]:
+    """bench_engine.py's arrivals: N at once, or Poisson holding about N streams (2N)."""
+    if arrival == "burst":
+        return [0.0] * level
+    rng = random.Random(level)
+    rate = level / (audio_seconds * 1.05)
+    times, now = [], 0.0
+    for _ in range(max(level * 2, 4)):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+class CpuMeter:
+    """CPU seconds each deployment's replica processes (and Serve's proxy) used over a window."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._started = time.monotonic()
+        self._before = self._sample()
+
+    def _processes(self) -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = {}
+        for name, pid, _ in replicas(APP):
+            found.setdefault(name, []).append(self._psutil.Process(pid))
+        for process in self._psutil.process_iter(["cmdline"]):
+            if "ProxyActor" in " ".join(process.info["cmdline"] or []):
+                found.setdefault("ServeProxy", []).append(process)
+        return found
+
+    def _sample(self) -> dict[int, tuple[str, float]]:
+        sample = {}
+        for name, processes in self._processes().items():
+            for process in processes:
+                try:
+                    times = process.cpu_times()
+                except self._psutil.Error:
+                    continue
+                sample[process.pid] = (name, times.user + times.system)
+        return sample
+
+    def percent(self) -> dict[str, float]:
+        """Per deployment: CPU used as a percentage of one core, summed over its processes."""
+        after = self._sample()
+        wall = time.monotonic() - self._started
+        used: dict[str, float] = {}
+        for pid, (name, seconds) in after.items():
+            start = self._before.get(pid, (name, seconds))[1]
+            used[name] = used.get(name, 0.0) + (seconds - start)
+        return {name: round(100 * seconds / wall, 1) for name, seconds in sorted(used.items())}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
+
+
+def locust_summary(stats_csv: Path) -> dict[str, Any]:
+    """Locust's own numbers for the stream (POST) and TTFB rows."""
+    import csv
+
+    summary: dict[str, Any] = {}
+    if not stats_csv.exists():
+        return summary
+    with stats_csv.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row["Name"] == "Aggregated":
+                continue
+            summary[row["Type"]] = {
+                "requests": int(row["Request Count"]), "failures": int(row["Failure Count"]),
+                "requests_per_s": round(float(row["Requests/s"]), 2),
+                "p50_ms": float(row["50%"]), "p90_ms": float(row["90%"]),
+                "p99_ms": float(row["99%"])}
+    return summary
+
+
+def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse.Namespace,
+              work: Path) -> dict[str, Any]:
+    times = arrivals_s(level, arrival, args.audio_seconds)
+    users = len(times)
+    # All users exist before the first arrival; a burst then starts together.
+    t0 = time.time() + 3.0 + users / 200
+    body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
+            "sample_rate": 24000}
+    name = f"{mode}-{arrival}-{level}"
+    schedule = work / f"{name}.schedule.json"
+    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
+                                    "name": f"/v1/speech/stream {mode}", "format": "pcm",
+                                    "sample_rate": 24000, "arrivals_s": times}))
+    records = work / f"{name}.jsonl"
+    run_time_s = int(times[-1] + 3 * args.audio_seconds + 90)
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "ScheduledListener",
+               "--headless", "-u", str(users), "-r", str(max(users, 1)), "--host", base_url,
+               "--run-time", f"{run_time_s}s", "--stop-timeout", "30", "--only-summary",
+               "--csv", str(work / name), "--loglevel", "WARNING"]
+    env = {**os.environ, "LOADTEST_SCHEDULE": str(schedule),
+           "LOADTEST_RECORDS": str(records)}
+    meter = CpuMeter()
+    started = time.monotonic()
+    locust = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=run_time_s + 120)
+    wall = time.monotonic() - started
+    cpu = meter.percent()
+    rows = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() \
+        else []
+    ok = [r for r in rows if r["ok"]]
+    ttfbs = [r["ttfb_s"] * 1000 for r in ok if r["ttfb_s"] is not None]
+    span = (max(r["start"] + r["total_s"] for r in rows) - min(r["start"] for r in rows)
+            if rows else wall)
+    result = {
+        "mode": mode, "arrival": arrival, "concurrency": level, "requests": users,
+        "completed": len(ok), "failures": len(rows) - len(ok) + (users - len(rows)),
+        "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
+        "ttfb_ms_p99": percentile(ttfbs, 99),
+        "realtime_share": round(sum(bool(r.get("realtime")) for r in rows) / users, 4),
+        "audio_seconds_per_second": round(sum(r["audio_s"] for r in ok) / span, 2),
+        "requests_per_s": round(users / span, 3),
+        "cpu_percent_of_a_core": cpu, "locust": locust_summary(work / f"{name}_stats.csv"),
+        "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
+        "locust_exit_code": locust.returncode,
+    }
+    result["ok"] = bool(result["realtime_share"] >= REALTIME_SHARE
+                        and (result["ttfb_ms_p99"] or 1e9) <= TTFB_P99_LIMIT_MS)
+    if locust.returncode not in (0, 1):
+        result["locust_stderr"] = locust.stderr[-2000:]
+    print(json.dumps({k: v for k, v in result.items() if k != "locust"}), flush=True)
+    return result
+
+
+def headline(sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """What bench_engine.py reports: single-stream TTFB and the largest real-time level."""
+    single, best = {}, {}
+    for mode in sorted({r["mode"] for r in sweep}):
+        ones = [r for r in sweep if r["mode"] == mode and r["concurrency"] == 1]
+        single[mode] = {"ttfb_ms_p50": ones[0]["ttfb_ms_p50"] if ones else None,
+                        "ttfb_ms_p90": ones[0].get("ttfb_ms_p90") if ones else None}
+        ok = [r["concurrency"] for r in sweep
+              if r["mode"] == mode and r["arrival"] == "poisson" and r["ok"]]
+        best[mode] = max(ok) if ok else 0
+    return {"single_stream": single, "max_realtime_streams": best}
+
+
+def compare(result: dict[str, Any]) -> None:
+    """Served against engine, per mode, with the acceptance bars of the served-path issue."""
+    engine, served = result.get("engine"), result["served"]
+    if not engine:
+        return
+    comparison = {}
+    for mode in served["single_stream"]:
+        engine_ttfb = engine["single_stream"].get(mode, {}).get("ttfb_ms_p50")
+        served_ttfb = served["single_stream"][mode]["ttfb_ms_p50"]
+        engine_best = engine["max_realtime_streams"].get(mode, 0)
+        served_best = served["max_realtime_streams"].get(mode, 0)
+        delta = (served_ttfb - engine_ttfb) if engine_ttfb and served_ttfb else None
+        ratio = served_best / engine_best if engine_best else None
+        comparison[mode] = {
+            "single_stream_ttfb_p50_ms": {"engine": engine_ttfb, "served": served_ttfb,
+                                          "served_minus_engine": delta,
+                                          "within_20_ms": delta is not None and delta <= 20},
+            "max_realtime_streams": {"engine": engine_best, "served": served_best,
+                                     "served_over_engine": ratio,
+                                     "at_least_95_percent": ratio is not None and ratio >= 0.95}}
+    result["comparison"] = comparison
+
+
+def engine_part(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    data = json.loads(path.read_text())
+    return {"single_stream": data["single_stream"],
+            "max_realtime_streams": data["max_realtime_streams"], "sweep": data["sweep"],
+            "command": data.get("command"), "git_commit": data.get("git_commit"),
+            "gpu": data.get("gpu")}
+
+
+def gpu_name() -> str:
+    try:
+        return subprocess.check_output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                       text=True).splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "cpu"
+
+
+def git_commit() -> str:
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    if len({p["gpu"] for p in parts}) != 1 or len({p["git_commit"] for p in parts}) != 1:
+        raise SystemExit("refusing to merge runs of different GPUs or commits")
+    merged = dict(parts[0])
+    merged["command"] = [p["command"] for p in parts]
+    sweep = [row for p in parts for row in p["served"]["sweep"]]
+    merged["served"] = {**headline(sweep), "sweep": sweep}
+    engines = [p["engine"] for p in parts if p.get("engine")]
+    merged["engine"] = engines[0] if engines else None
+    compare(merged)
+    return merged
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted(result["served"]["single_stream"])
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    for axis, mode in zip(axes[0], modes):
+        for label, part, style in (("engine", result.get("engine"), "--"),
+                                   ("served", result["served"], "-")):
+            if not part:
+                continue
+            rows = [r for r in part["sweep"] if r["mode"] == mode and r["arrival"] == "poisson"]
+            xs = [r["concurrency"] for r in rows]
+            for q in ("p50", "p99"):
+                axis.plot(xs, [r[f"ttfb_ms_{q}"] for r in rows], style, marker="o",
+                          label=f"{label} TTFB {q}")
+        axis.axhline(TTFB_P99_LIMIT_MS, color="grey", linestyle=":")
+        axis.set(xscale="log", yscale="log", xlabel="concurrent streams (Poisson)",
+                 ylabel="TTFB (ms)", title=f"{mode}: engine alone vs Serve + HTTP ({result['gpu']})")
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        result = merge([json.loads(p.read_text()) for p in args.merge])
+    else:
+        result = measure(args)
+    gpu_tag = result["gpu"].split()[1].lower() if len(result["gpu"].split()) > 1 else "cpu"
+    out = args.out or ROOT / "docs" / "benchmarks" / f"served-{gpu_tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result.get(k) for k in ("gpu", "comparison")}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    base_url = f"http://127.0.0.1:{args.port}"
+    config = bench_config(args)
+    service = None
+    if not args.reuse:
+        service = start_service(config, base_url, args.log, ready_timeout_s=900)
+    models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
+    levels = {"read": args.read_levels, "chat": args.chat_levels}
+    sweep: list[dict[str, Any]] = []
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    try:
+        for mode in args.modes:
+            for level in levels[mode]:
+                rows = [run_level(base_url, mode, level, arrival, args, work)
+                        for arrival in args.arrivals]
+                sweep.extend(rows)
+                if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
+                       if r["arrival"] == "poisson"):
+                    break
+    finally:
+        if service is not None and not args.keep_running:
+            stop_service(service)
+    result: dict[str, Any] = {
+        "gpu": gpu_name(), "git_commit": git_commit(),
+        "command": " ".join(["scripts/bench_serve", *sys.argv[1:]]),
+        "served_config": config, "benchmark_mode": models[0].get("benchmark_mode"),
+        "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
+        "rule": f"a level is real-time when >= {REALTIME_SHARE:.0%} of its streams never ran "
+                f"dry and p99 TTFB <= {TTFB_P99_LIMIT_MS:g} ms (Poisson arrivals)",
+        "engine": engine_part(args.engine_results),
+        "served": {**headline(sweep), "sweep": sweep},
+    }
+    compare(result)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
