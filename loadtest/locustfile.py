@@ -97,53 +97,15 @@ class _Records:
 RECORDS = _Records(os.environ.get("LOADTEST_RECORDS"))
 
 
-class SpeechUser(HttpUser):
-    """A listener: picks a text, streams its speech to the end, pauses, repeats."""
+class _Listener(HttpUser):
+    """Streams speech and records what a listener feels (the tasks are the subclasses')."""
 
-    wait_time = between(*_wait_range(os.environ.get("LOADTEST_WAIT_S")))
-    _modes: ClassVar[tuple[str, ...] | None] = None  # the engine's modes, probed once
+    abstract = True
 
     def on_start(self) -> None:
         api_key = os.environ.get("LOADTEST_API_KEY")
         if api_key:
             self.client.headers["authorization"] = f"Bearer {api_key}"
-        self.rng = random.Random()
-        if SpeechUser._modes is None:
-            SpeechUser._modes = self._probe_modes()
-
-    def _probe_modes(self) -> tuple[str, ...]:
-        with self.client.get("/v1/voices", name="/v1/voices (probe)",
-                             catch_response=True) as response:
-            if response.status_code != 200:
-                response.failure(f"HTTP {response.status_code}")
-                return ("read",)
-            modes = tuple(response.json().get("modes", ["read"]))
-        logger.info("engine modes: %s", ", ".join(modes))
-        return modes
-
-    @task(WEIGHTS["openai"])
-    def openai_speech(self) -> None:
-        length, text = pick(MIX, self.rng)
-        body = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm"}
-        self._stream(OPENAI_ROUTE, body, OPENAI_ROUTE, length,
-                     AudioCounter("pcm", OPENAI_PCM_RATE_HZ))
-
-    @task(WEIGHTS["read"])
-    def native_read(self) -> None:
-        length, text = pick(MIX, self.rng)
-        body = {"text": text, "mode": "read", "format": "wav", "sample_rate": NATIVE_RATE_HZ}
-        self._stream(NATIVE_ROUTE, body, f"{NATIVE_ROUTE} read", length,
-                     AudioCounter("wav", NATIVE_RATE_HZ))
-
-    @task(WEIGHTS["chat"])
-    def native_chat(self) -> None:
-        if "chat" not in (SpeechUser._modes or ()):
-            self.native_read()
-            return
-        body = {"text": self.rng.choice(CHAT), "mode": "chat", "format": "wav",
-                "sample_rate": NATIVE_RATE_HZ}
-        self._stream(NATIVE_ROUTE, body, f"{NATIVE_ROUTE} chat", "chat",
-                     AudioCounter("wav", NATIVE_RATE_HZ))
 
     def _stream(self, path: str, body: dict[str, Any], name: str, length: str,
                 audio: AudioCounter) -> None:
@@ -214,7 +176,54 @@ class SpeechUser(HttpUser):
                                              exception=None, context={})
 
 
-class ScheduledListener(SpeechUser):
+class SpeechUser(_Listener):
+    """A listener: picks a text, streams its speech to the end, pauses, repeats."""
+
+    wait_time = between(*_wait_range(os.environ.get("LOADTEST_WAIT_S")))
+    _modes: ClassVar[tuple[str, ...] | None] = None  # the engine's modes, probed once
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.rng = random.Random()
+        if SpeechUser._modes is None:
+            SpeechUser._modes = self._probe_modes()
+
+    def _probe_modes(self) -> tuple[str, ...]:
+        with self.client.get("/v1/voices", name="/v1/voices (probe)",
+                             catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}")
+                return ("read",)
+            modes = tuple(response.json().get("modes", ["read"]))
+        logger.info("engine modes: %s", ", ".join(modes))
+        return modes
+
+    @task(WEIGHTS["openai"])
+    def openai_speech(self) -> None:
+        length, text = pick(MIX, self.rng)
+        body = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm"}
+        self._stream(OPENAI_ROUTE, body, OPENAI_ROUTE, length,
+                     AudioCounter("pcm", OPENAI_PCM_RATE_HZ))
+
+    @task(WEIGHTS["read"])
+    def native_read(self) -> None:
+        length, text = pick(MIX, self.rng)
+        body = {"text": text, "mode": "read", "format": "wav", "sample_rate": NATIVE_RATE_HZ}
+        self._stream(NATIVE_ROUTE, body, f"{NATIVE_ROUTE} read", length,
+                     AudioCounter("wav", NATIVE_RATE_HZ))
+
+    @task(WEIGHTS["chat"])
+    def native_chat(self) -> None:
+        if "chat" not in (SpeechUser._modes or ()):
+            self.native_read()
+            return
+        body = {"text": self.rng.choice(CHAT), "mode": "chat", "format": "wav",
+                "sample_rate": NATIVE_RATE_HZ}
+        self._stream(NATIVE_ROUTE, body, f"{NATIVE_ROUTE} chat", "chat",
+                     AudioCounter("wav", NATIVE_RATE_HZ))
+
+
+class ScheduledListener(_Listener):
     """One stream per user at a fixed time (``LOADTEST_SCHEDULE``); the run ends after the last.
 
     Start as many users as the schedule has arrivals, all at once (``-u N -r N``).
@@ -250,7 +259,7 @@ class ScheduledListener(SpeechUser):
                 gevent.spawn_later(0.5, self.environment.runner.quit)
         raise StopUser()
 
-    tasks = [scheduled_stream]  # not SpeechUser's tasks
+    tasks = [scheduled_stream]
 
 
 class _ShapeBase(LoadTestShape):
