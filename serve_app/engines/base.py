@@ -15,7 +15,6 @@ from typing import AsyncIterator, Literal, Protocol
 import numpy as np
 
 Mode = Literal["read", "chat"]
-MODES: tuple[str, ...] = ("read", "chat")
 
 
 class EngineError(RuntimeError):
@@ -47,7 +46,7 @@ class RequestAbortedError(EngineError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """LLM sampling for ``chat`` mode (MINICPMO.md section 5 defaults).
+    """LLM sampling for ``chat`` mode (MiniCPM-o's defaults; see docs/minicpmo.md, "Chat mode").
 
     ``temperature == 0`` means greedy decoding, which makes a request's output independent of
     the batch it runs in.

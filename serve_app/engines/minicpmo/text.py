@@ -1,4 +1,4 @@
-"""Text handling of the MiniCPM-o speech path (MINICPMO.md sections 3, 5, 6).
+"""Text handling of the MiniCPM-o speech path (docs/minicpmo.md, "Prompts" and "Text pieces").
 
 Pure functions with no model state: prompt building, cutting text into the pieces an LLM would
 stream, digit normalisation, sentence ends and the TTS text layout.
