@@ -14,7 +14,8 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from ..base import AudioChunk, EngineStats, InvalidRequestError, SpeechRequest
+from ..base import TEXT_INPUTS, AudioChunk, EngineStats, InvalidRequestError, SpeechRequest
+from ..streamed_text import StreamedText
 from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ
 from .loader import LoadedModel, load_speech_model
@@ -27,6 +28,7 @@ from .text import (
     GENERATION_PROMPT,
     PIECE_TOKENS,
     READ_INSTRUCTION,
+    TextFeed,
     cut_into_pieces,
     has_speakable_text,
     user_turn,
@@ -74,15 +76,23 @@ class MiniCPMOEngine:
         return list(self.options.voices)
 
     def validate(self, request: SpeechRequest) -> None:
+        """Refuse what this engine cannot serve. Streamed requests are read-mode only and may
+        start with no text; their prompt holds only the text known at submission."""
         text = request.text
-        if not text or not text.strip():
+        streamed = request.text_input == "streamed"
+        if request.text_input not in TEXT_INPUTS:
+            raise InvalidRequestError(f"unknown text_input {request.text_input!r}", "text_input")
+        if streamed and request.mode != "read":
+            raise InvalidRequestError("streamed text input needs mode 'read'", "text_input",
+                                      code="unsupported_text_input")
+        if not streamed and (not text or not text.strip()):
             raise InvalidRequestError("text must not be empty", "text")
         if len(text) > MAX_TEXT_CHARS:
             raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters", "text",
                                       code="text_too_long")
         if request.mode not in self.modes:
             raise InvalidRequestError(f"unknown mode {request.mode!r}", "mode")
-        if request.mode == "read" and not has_speakable_text(text):
+        if request.mode == "read" and not streamed and not has_speakable_text(text):
             raise InvalidRequestError("text holds nothing speakable (no letters or digits)", "text",
                                       code="nothing_to_speak")
         if request.voice not in self.options.voices:
@@ -107,9 +117,13 @@ class MiniCPMOEngine:
 
     def plan(self, request: SpeechRequest) -> StreamPlan:
         prompt = self._prompt_text(request)
+        tok = self.model.tokenizer
+        if request.text_input == "streamed":
+            feed = TextFeed(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.decode)
+            return StreamPlan(request, prompt, feed.push(request.text), text_feed=feed)
         if request.mode == "read":
-            ids = self.model.tokenizer(request.text, add_special_tokens=False)["input_ids"]
-            return StreamPlan(request, prompt, cut_into_pieces(ids, self.model.tokenizer.decode))
+            ids = tok(request.text, add_special_tokens=False)["input_ids"]
+            return StreamPlan(request, prompt, cut_into_pieces(ids, tok.decode))
         return StreamPlan(request, prompt, None)
 
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
@@ -120,10 +134,19 @@ class MiniCPMOEngine:
     def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:
         """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces)."""
         loop = asyncio.get_running_loop()
-        streams = [Stream(plan, asyncio.Queue(), loop, time.perf_counter()) for plan in plans]
+        streams = [Stream(plan, asyncio.Queue(), loop, time.perf_counter(),
+                          fed_text=StreamedText(MAX_TEXT_CHARS, len(plan.request.text))
+                          if plan.text_feed is not None else None)
+                   for plan in plans]
         self._scheduler.enqueue(streams)
         self._loop.wake()
         return [self._iterate(stream) for stream in streams]
+
+    def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
+        """Append text to a streamed request (see :meth:`Engine.feed_text`); the step thread
+        cuts it into pieces."""
+        self._scheduler.feed(request_id, delta, done)
+        self._loop.wake()
 
     def abort(self, request_id: str) -> None:
         self._scheduler.request_abort(request_id)

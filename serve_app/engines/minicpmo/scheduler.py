@@ -13,19 +13,22 @@ import threading
 from dataclasses import dataclass, field
 
 from ..base import EngineOverloadedError, EngineStats, InvalidRequestError, SpeechRequest
+from ..streamed_text import StreamedText, unknown_stream
 from .output import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
-from .text import PieceDecoder
+from .text import PieceDecoder, TextFeed
 
 
 @dataclass
 class StreamPlan:
-    """What a stream speaks: a prompt for the speaker embedding and either fixed text pieces
-    (read mode) or LLM decoding (chat mode)."""
+    """What a stream speaks: a prompt for the speaker embedding and either text pieces (read
+    mode: all of them, or with ``text_feed`` the first ones of streamed text) or LLM decoding
+    (chat mode)."""
 
     request: SpeechRequest
     prompt: str
     pieces: list[str] | None
+    text_feed: TextFeed | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -40,6 +43,7 @@ class Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     submitted_at: float
+    fed_text: StreamedText | None = None  # streamed input: written by callers under the lock
     schedule: SpeechSchedule | None = None
     slot: int = -1
     llm_slot: int = -1
@@ -73,6 +77,7 @@ class Scheduler:
         self.lock = threading.Lock()
         self.pending: collections.deque[Stream] = collections.deque()
         self.active: dict[str, Stream] = {}
+        self._streamed: dict[str, Stream] = {}  # queued or running streams that take fed text
         self._aborts: set[str] = set()
         self._free_slots = list(range(max_slots))
         self._free_llm_slots = list(range(max_chat_slots))
@@ -92,10 +97,24 @@ class Scheduler:
                         s.request_id == stream.request_id for s in self.pending):
                     raise InvalidRequestError("duplicate request id", "request_id")
             self.pending.extend(streams)
+            self._streamed.update((s.request_id, s) for s in streams if s.fed_text is not None)
+
+    def feed(self, request_id: str, delta: str, done: bool) -> None:
+        """Hand text to a streamed request (see :meth:`Engine.feed_text` for the errors)."""
+        with self.lock:
+            stream = self._streamed.get(request_id)
+            if stream is None:
+                raise unknown_stream(request_id)
+            stream.fed_text.append(delta, done)
+
+    def take_fed_text(self, stream: Stream) -> tuple[str, bool]:
+        with self.lock:
+            return stream.fed_text.take()
 
     def request_abort(self, request_id: str) -> None:
         with self.lock:
             self._aborts.add(request_id)
+            self._streamed.pop(request_id, None)
 
     def stats(self) -> EngineStats:
         with self.lock:
@@ -155,6 +174,7 @@ class Scheduler:
         """The stream leaves: its slots are free for the next admission."""
         self.active.pop(stream.request_id, None)
         with self.lock:
+            self._streamed.pop(stream.request_id, None)
             if stream.slot >= 0:
                 heapq.heappush(self._free_slots, stream.slot)
             if stream.llm_slot >= 0:

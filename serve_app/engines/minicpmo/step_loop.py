@@ -105,6 +105,7 @@ class StepLoop:
         t = self._phase("admit_prefill", t)
         self._decode_chat_text()
         t = self._phase("llm_decode", t)
+        self._take_fed_text()
         prefills = [work for stream in self.scheduler.running() for work in self._read_text(stream)]
         t = self._phase("schedule", t)
         self._run_tts_prefills(prefills)
@@ -183,7 +184,7 @@ class StepLoop:
         stream.joiner = StreamingAudioJoiner()
         if not stream.plan.is_chat:
             stream.pieces.extend(stream.plan.pieces)
-            stream.text_done = True
+            stream.text_done = stream.plan.text_feed is None
 
     # ---- run ---------------------------------------------------------------------------------
 
@@ -208,6 +209,21 @@ class StepLoop:
     def _accept_token(self, stream: Stream, token: int) -> None:
         if self.chat.accept(stream, token):
             self.scheduler.free_llm_slot(stream)
+
+    def _take_fed_text(self) -> None:
+        """Cut the text fed to streamed requests into pieces for their schedules; a stream
+        whose input ended with nothing speakable ends without audio."""
+        for stream in self.scheduler.running():
+            feed = stream.plan.text_feed
+            if feed is None or stream.text_done or stream.schedule is None:
+                continue
+            text, done = self.scheduler.take_fed_text(stream)
+            stream.pieces.extend(feed.push(text))
+            if done:
+                stream.pieces.extend(feed.finish())
+                stream.text_done = True
+                if not feed.speakable:
+                    self._complete(stream)
 
     def _read_text(self, stream: Stream) -> list[tuple[Stream, object]]:
         """Feed the stream's waiting pieces to its schedule; the TTS work that results."""
