@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="DEPLOYMENT.KEY=VALUE",
                         help="a deployment option over the config's, value parsed as YAML "
                              "(e.g. Synthesizer.max_ongoing_requests=512)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the app's replicas (runtime_env)")
     parser.add_argument("--tts-tokenizer", type=Path,
                         default=ROOT / "tests" / "golden" / "chattts_tokenizer")
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -107,6 +109,9 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
                             "audio_seconds": args.audio_seconds, "chat_tokens": args.chat_tokens}
     if args.checkpoint is not None:
         options["model"] = str(args.checkpoint.resolve())
+    if args.env:
+        env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env_vars.update(dict(pair.split("=", 1) for pair in args.env))
     overrides = _options(args.deployment_option)
     for deployment in app.get("deployments", []):
         if deployment["name"] == "Synthesizer":

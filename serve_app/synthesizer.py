@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from typing import Any, AsyncIterator
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # How often the engine gauges are refreshed while the engine is busy.
 METRICS_REFRESH_S = 0.5
+# The engine's step thread gives up the GIL at every GPU sync and must get it back at once;
+# with Python's default 5 ms, Serve's event-loop threads can hold it that long per hand-back.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 Admitted = AsyncIterator[AudioChunk] | ApiError
 
@@ -64,6 +68,7 @@ class Synthesizer:
                  first_chunk_timeout_s: float = 60.0, chunk_timeout_s: float = 30.0,
                  drain_timeout_s: float = 60.0) -> None:
         use_replica_log()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._engine_name = engine
         self._first_chunk_timeout_s = first_chunk_timeout_s
         self._chunk_timeout_s = chunk_timeout_s
