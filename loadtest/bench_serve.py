@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-running", action="store_true", help="leave the service up")
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-serve.log")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--write-config", type=Path, default=None,
+                        help="write the benchmark serve config here and exit (for scripts/soak)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="join result JSONs of one GPU and commit into --out, and exit")
     return parser.parse_args(argv)
@@ -358,6 +360,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.write_config:
+        args.write_config.write_text(yaml.safe_dump(bench_config(args), sort_keys=False))
+        return 0
     if args.merge:
         result = merge([json.loads(p.read_text()) for p in args.merge])
     else:

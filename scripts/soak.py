@@ -307,6 +307,11 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
     }
 
 
+def service_engine(config_path: Path) -> str:
+    [app] = yaml.safe_load(config_path.read_text(encoding="utf-8"))["applications"]
+    return app["args"].get("engine", "piper")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=600.0)
@@ -327,6 +332,7 @@ def main() -> None:
         crash_at_s = None if options.no_crash else (
             options.crash_at_s if options.crash_at_s is not None else options.duration_s / 3)
         report = run_load(base_url, options.duration_s, options.concurrency, crash_at_s)
+        report["profile"] = f"{options.config.name} (engine: {service_engine(options.config)})"
         report["config"] = str(options.config.relative_to(ROOT)
                                if options.config.is_relative_to(ROOT) else options.config)
     finally:
