@@ -81,6 +81,18 @@ def wav_stream_header(sample_rate_hz: int, channels: int = 1) -> bytes:
             + b"data" + struct.pack("<I", _UNKNOWN_SIZE))
 
 
+def playable(samples: np.ndarray) -> np.ndarray:
+    """Mono float32 within [-1, 1], non-finite samples silenced.
+
+    Codecs must never see anything else: LAME (mp3) aborts the whole process on NaN, infinity
+    or samples far out of range, which would end every stream of the encoder replica.
+    """
+    pcm = np.asarray(samples, dtype=np.float32).reshape(-1)
+    if not np.isfinite(pcm).all():
+        pcm = np.nan_to_num(pcm, nan=0.0, posinf=1.0, neginf=-1.0)
+    return np.clip(pcm, -1.0, 1.0)
+
+
 class StreamEncoder:
     """Per-stream resampler + encoder; not thread-safe, one stream at a time."""
 
@@ -114,7 +126,7 @@ class StreamEncoder:
         """Resample and encode one chunk; returns the bytes ready to send (maybe empty)."""
         if self._finished:
             raise RuntimeError("encoder already finished")
-        pcm = np.asarray(samples, dtype=np.float32).reshape(-1)
+        pcm = playable(samples)
         if self._resampler is not None:
             pcm = self._resampler.resample_chunk(pcm, last=False)
         return self._write(pcm)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from serve_app.audio import (
     StreamEncoder,
     check_format_rate,
     float_to_pcm16,
+    playable,
     wav_stream_header,
 )
 from tests.audio.decoding import decode_audio as decode
@@ -114,3 +117,28 @@ def test_empty_stream_is_still_a_valid_file() -> None:
         if audio_format != "pcm":
             samples, _ = decode(data, audio_format, 24000)
             assert len(samples) <= 3 * MP3_FRAME_SAMPLES
+
+
+@pytest.mark.parametrize("audio_format", FORMATS)
+def test_non_finite_and_out_of_range_samples_never_abort_the_encoder(audio_format: str) -> None:
+    # LAME aborts its whole process on such input; each format runs in a process of its own so
+    # a regression fails this test instead of killing the test run.
+    script = (
+        "import numpy as np\n"
+        "from serve_app.audio import StreamEncoder\n"
+        f"encoder = StreamEncoder({audio_format!r}, 24000, 24000)\n"
+        "rng = np.random.default_rng(0)\n"
+        "chunks = [np.full(4800, np.nan), np.full(4800, np.inf), -np.full(4800, np.inf),\n"
+        "          rng.standard_normal(4800) * 1e6, rng.standard_normal(4800) * 0.1]\n"
+        "data = b''.join(encoder.encode(c.astype(np.float32)) for c in chunks)\n"
+        "data += encoder.finish()\n"
+        "print(len(data))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout) > 0
+
+
+def test_encoder_input_is_silenced_where_not_finite_and_clipped_to_full_scale() -> None:
+    pcm = playable(np.array([np.nan, np.inf, -np.inf, 3.0, -2.0, 0.25], dtype=np.float32))
+    assert pcm.tolist() == [0.0, 1.0, -1.0, 1.0, -1.0, 0.25]
