@@ -88,7 +88,7 @@ class LengthControls:
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """One text-to-speech stream."""
+    """One text-to-speech stream; ``text`` is cleaned on construction (``serve_app.text_rule``)."""
 
     request_id: str
     text: str
@@ -100,6 +100,12 @@ class SpeechRequest:
     system_prompt: str | None = None
     max_audio_s: float | None = None
     lengths: LengthControls = field(default_factory=LengthControls)
+
+    def __post_init__(self) -> None:
+        # Whoever builds a request, its engine sees the text under the one text rule.
+        from serve_app.text_rule import clean_text  # imported here: text_rule imports this module
+
+        object.__setattr__(self, "text", clean_text(self.text))
 
 
 @dataclass

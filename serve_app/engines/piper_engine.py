@@ -22,14 +22,19 @@ Streaming and batching:
   deterministic; requests without a seed use the voice's noise scales.
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
   own ``PiperVoice.synthesize``; resampling is the encoder's job.
+- Text: the shared rule (``serve_app.text_rule``) first; then ``validate`` phonemizes the text
+  (cached for the step that follows) and refuses with ``nothing_to_speak`` a text espeak-ng finds
+  nothing to say in (``"..."``, ``"—"``), which would otherwise stream no audio at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -52,6 +57,7 @@ from serve_app.engines.base import (
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
+from serve_app.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,8 @@ MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 _WORD_BREAK = " "
 _CLAUSE_BREAK = ","
+# Texts whose phoneme pieces are kept: validate's, for the step that phonemizes them next.
+_PHONEMIZED_TEXTS_KEPT = 32
 _WARMUP_TEXT = ("Warming up the voice with one long sentence that keeps on going for a while, "
                 "so that the first real request of a similar length finds every buffer ready.")
 
@@ -73,7 +81,7 @@ class _Stream:
     scales: Scales
     submitted_at_s: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    pieces: deque | None = None  # phoneme-id lists still to synthesize; None before phonemizing
+    pieces: deque | None = None  # phoneme-id pieces still to synthesize; None before phonemizing
     samples_emitted: int = 0
     started: bool = False
     chunks_sent: int = 0
@@ -113,7 +121,7 @@ class PiperEngine:
     def __init__(self, voice: PiperVoice, has_durations: bool, *, max_batch_size: int = 8,
                  noise_scale: float | None = None, noise_w_scale: float | None = None,
                  max_sentence_phonemes: int = 400, first_piece_phonemes: int = 0,
-                 max_text_chars: int = 4096, max_queued_streams: int = 256,
+                 max_queued_streams: int = 256,
                  fault_injection: dict[str, Any] | FaultInjection | None = None) -> None:
         self._voice = voice
         # piper-tts's espeak bridge leaks every clause it phonemizes (see espeak_refs).
@@ -126,7 +134,10 @@ class PiperEngine:
         self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
         self._max_sentence_phonemes = max_sentence_phonemes
         self._first_piece_phonemes = first_piece_phonemes
-        self._max_text_chars = max_text_chars
+        # espeak-ng keeps global state: validate (event loop) and the step thread take turns.
+        self._espeak_lock = threading.Lock()
+        self._phoneme_pieces = functools.lru_cache(_PHONEMIZED_TEXTS_KEPT)(
+            self._phonemize_locked)
         # Streams held beyond the batch's rows; more than this is refused (bounded memory).
         self._max_queued_streams = max_queued_streams
         self._faults = FaultInjection.from_options(fault_injection)
@@ -168,12 +179,10 @@ class PiperEngine:
                 "The piper engine cannot chat: it only reads the given text aloud "
                 "(use mode 'read', or deploy the minicpmo engine for chat).",
                 param="mode", code="unsupported_mode", status_code=422)
-        if not request.text or not request.text.strip():
-            raise InvalidRequestError("text must not be empty", param="text", code="empty_text")
-        if len(request.text) > self._max_text_chars:
-            raise InvalidRequestError(
-                f"text is longer than {self._max_text_chars} characters", param="text",
-                code="text_too_long")
+        check_text(request.text, MAX_TEXT_CHARS)
+        if not self._phoneme_pieces(request.text):
+            raise InvalidRequestError("text holds nothing this voice can speak", param="text",
+                                      code=NOTHING_TO_SPEAK)
         if request.voice not in (VOICE_NAME, "default"):
             raise InvalidRequestError(
                 f"unknown voice {request.voice!r}; available: {VOICE_NAME}", param="voice",
@@ -214,7 +223,7 @@ class PiperEngine:
         return EngineStats(**self._stats.as_dict())
 
     def warmup(self) -> None:
-        ids = self._phonemize(_WARMUP_TEXT)[0]
+        ids = self._phoneme_pieces(_WARMUP_TEXT)[0]
         # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
         self._synthesize_batch([ids] * rows, (self._noise_scale, self._config.length_scale,
@@ -301,7 +310,7 @@ class PiperEngine:
         for index, stream in enumerate(streams):
             try:
                 if stream.pieces is None:
-                    stream.pieces = deque(self._phonemize(stream.request.text))
+                    stream.pieces = deque(self._phoneme_pieces(stream.request.text))
                 if stream.pieces:
                     groups.setdefault(stream.scales, []).append((index, stream.pieces.popleft()))
             except Exception as exc:  # one bad text must not fail the others
@@ -385,6 +394,10 @@ class PiperEngine:
         if request.seed is not None:
             return (0.0, length_scale, 0.0)
         return (self._noise_scale, length_scale, self._noise_w_scale)
+
+    def _phonemize_locked(self, text: str) -> tuple[tuple[int, ...], ...]:
+        with self._espeak_lock:
+            return tuple(tuple(ids) for ids in self._phonemize(text))
 
     def _phonemize(self, text: str) -> list[list[int]]:
         """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.

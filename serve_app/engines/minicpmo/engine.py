@@ -38,6 +38,7 @@ from ..base import (
     RequestAbortedError,
     SpeechRequest,
 )
+from ...text_rule import check_text
 from ..faults import FaultInjection, crash_process
 from .audio_step import (
     ACTIVE,
@@ -99,7 +100,6 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 24_000
 SAMPLES_PER_FRAME = 512
-MAX_TEXT_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -288,12 +288,7 @@ class MiniCPMOEngine:
         return list(self.options.voices)
 
     def validate(self, request: SpeechRequest) -> None:
-        text = request.text
-        if not text or not text.strip():
-            raise InvalidRequestError("text must not be empty", "text")
-        if len(text) > MAX_TEXT_CHARS:
-            raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters", "text",
-                                      code="text_too_long")
+        text = check_text(request.text)  # the shared rule (serve_app.text_rule)
         if request.mode not in self.modes:
             raise InvalidRequestError(f"unknown mode {request.mode!r}", "mode")
         if request.mode == "read" and not has_speakable_text(text):
