@@ -5,17 +5,19 @@ included), spaces of every kind, newline and tab, and the zero-width joiner and 
 (U+200D, U+200C) where they sit between two letters, marks or symbols (emoji sequences, Persian
 and Indic spelling need them).
 
-What is **removed**: C0 and C1 control characters but newline and tab (NUL among them), lone
-surrogates, private-use and unassigned code points, and format characters (zero-width spaces,
+What is **removed**: C0 and C1 control characters but newline, tab and NUL, lone surrogates,
+private-use and unassigned code points, and format characters (zero-width spaces,
 bidirectional controls, the byte order mark, soft hyphens, joiners that join nothing): they
-carry no sound, and some break engines (a NUL ends a C string inside espeak-ng). A control that
-is whitespace (carriage return, vertical tab, form feed, the separators U+001C-U+001F, U+0085)
-becomes a space, so the words around it stay apart.
+carry no sound, and some break engines. A control that is whitespace (carriage return, vertical
+tab, form feed, the separators U+001C-U+001F, U+0085) becomes a space, so the words around it
+stay apart.
 
-What is **refused** (:class:`InvalidRequestError`, before anything is scheduled): text that is
-longer than the limit once cleaned (``text_too_long``) and text with nothing left to speak, i.e.
-no letter, mark, number, punctuation or symbol (``nothing_to_speak``). An engine may refuse more
-with the same code when it can voice less (see each engine's ``validate``).
+What is **refused** (:class:`InvalidRequestError`, before anything is scheduled), in this order:
+text holding a NUL (``invalid_text``: no text holds one, so the client sent something else, and
+dropping it would glue ``"Hello\u0000world"`` into one word; it also ends a C string inside
+espeak-ng); text longer than the limit once cleaned (``text_too_long``); text with nothing left
+to speak, i.e. no letter, mark, number, punctuation or symbol (``nothing_to_speak``). An engine
+may refuse more with that code when it can voice less (see each engine's ``validate``).
 
 Pure functions, no framework imports: the ingress, the engines and ``SpeechRequest`` itself call
 them, so the rule is written once.
@@ -33,8 +35,10 @@ MAX_TEXT_CHARS = 4096
 
 NOTHING_TO_SPEAK = "nothing_to_speak"
 TEXT_TOO_LONG = "text_too_long"
+INVALID_TEXT = "invalid_text"
 
-_KEPT_CONTROLS = frozenset("\n\t")
+_NUL = "\x00"
+_KEPT_CONTROLS = frozenset("\n\t" + _NUL)  # NUL stays for check_text to refuse
 _JOINERS = frozenset("\u200c\u200d")
 
 
@@ -63,7 +67,8 @@ def _cleaned_char(text: str, index: int) -> str:
 def clean_text(text: str) -> str:
     """The text under the rule: removed characters dropped, whitespace controls made spaces.
 
-    Idempotent; text with nothing to remove (the usual case) is returned as it is.
+    Idempotent; text with nothing to remove (the usual case) is returned as it is. A NUL is
+    kept, so that :func:`check_text` refuses it wherever it is called.
     """
     if text.isprintable():  # no control, format, surrogate, private or unassigned character
         return text
@@ -77,11 +82,15 @@ def has_something_to_speak(text: str) -> bool:
 
 
 def check_text(text: str, max_chars: int = MAX_TEXT_CHARS, param: str = "text") -> str:
-    """The cleaned text, or :class:`InvalidRequestError` (``text_too_long``, ``nothing_to_speak``).
+    """The cleaned text, or :class:`InvalidRequestError` (``invalid_text``, ``text_too_long``,
+    ``nothing_to_speak``).
 
     ``param`` names the request field in the error (``input`` on the OpenAI route).
     """
     cleaned = clean_text(text)
+    if _NUL in cleaned:
+        raise InvalidRequestError(f"{param} holds a NUL character (U+0000): send text, not "
+                                  "binary data or a C string", param=param, code=INVALID_TEXT)
     if len(cleaned) > max_chars:
         raise InvalidRequestError(f"{param} is longer than {max_chars} characters", param=param,
                                   code=TEXT_TOO_LONG)
