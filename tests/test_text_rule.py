@@ -95,3 +95,22 @@ def test_text_is_refused_exactly_when_it_holds_a_nul_or_nothing_to_speak(text: s
     else:
         assert result == "speaks"
         assert any(speakable_category(char) for char in check_text(text))
+
+
+def test_the_input_limit_is_configurable_up_to_the_engines_maximum_and_no_further() -> None:
+    from pydantic import ValidationError
+
+    from serve_app.config import ApiConfig
+    from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+
+    assert ApiConfig().max_input_chars == ApiConfig(max_input_chars=MAX_TEXT_CHARS).max_input_chars
+    with pytest.raises(ValidationError, match=f"above the {MAX_TEXT_CHARS} characters"):
+        ApiConfig(max_input_chars=MAX_TEXT_CHARS + 1)
+    # The bodies do not cap the text: the ingress holds it to the configured limit.
+    long_text = "x" * (MAX_TEXT_CHARS + 1)
+    assert NativeSpeechBody(text=long_text).text == long_text
+    assert OpenAISpeechBody(model="tts-1", voice="alloy", input=long_text).input == long_text
+    assert outcome("x" * 10) == "speaks"
+    with pytest.raises(InvalidRequestError) as refused:
+        check_text("x" * 11, max_chars=10, param="input")
+    assert (refused.value.code, refused.value.param) == ("text_too_long", "input")

@@ -57,7 +57,7 @@ from serve_app.engines.base import (
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
-from serve_app.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
+from serve_app.text_rule import NOTHING_TO_SPEAK, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class PiperEngine:
                 "The piper engine cannot chat: it only reads the given text aloud "
                 "(use mode 'read', or deploy the minicpmo engine for chat).",
                 param="mode", code="unsupported_mode", status_code=422)
-        check_text(request.text, MAX_TEXT_CHARS)
+        check_text(request.text)
         if not self._phoneme_pieces(request.text):
             raise InvalidRequestError("text holds nothing this voice can speak", param="text",
                                       code=NOTHING_TO_SPEAK)
