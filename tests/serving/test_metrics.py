@@ -56,6 +56,20 @@ def wait_for(server: Server, check: Callable[[dict[str, Samples]], bool],
         time.sleep(0.3)
 
 
+def settled(server: Server, name: str, timeout_s: float = 60) -> dict[str, Samples]:
+    """A snapshot once ``name`` has stopped moving for two report intervals, so that earlier
+    tests' last reports are in it."""
+    deadline = time.monotonic() + timeout_s
+    previous = scrape(server)
+    while True:
+        time.sleep(2.5)
+        current = scrape(server)
+        if total(current, name) == total(previous, name):
+            return current
+        assert time.monotonic() < deadline, f"{name} never settled"
+        previous = current
+
+
 def speak(server: Server, text: str) -> tuple[int, float]:
     """Bytes of 24 kHz pcm received, and the request's wall seconds."""
     with httpx.Client(base_url=server.base_url, headers=server.auth, timeout=120) as client:
@@ -66,7 +80,7 @@ def speak(server: Server, text: str) -> tuple[int, float]:
 
 
 def test_metrics_show_ttfb_active_streams_and_batch_occupancy(server: Server) -> None:
-    before = scrape(server)
+    before = settled(server, "ray_tts_ttfb_seconds_count")
     ttfb_count = total(before, "ray_tts_ttfb_seconds_count")
     ttfb_sum_s = total(before, "ray_tts_ttfb_seconds_sum")
     audio_s = total(before, "ray_tts_audio_seconds_total")
