@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.text_rule import MAX_TEXT_CHARS
 
 
 class BatchingConfig(BaseModel):
@@ -29,7 +31,8 @@ class ApiConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_input_chars: int = Field(4096, ge=1)
+    # Up to the engines' maximum; a larger value refuses to start (see _within_engine_limit).
+    max_input_chars: int = Field(MAX_TEXT_CHARS, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024)
     # Bearer keys the /v1 routes require (any of them); none at all serves without auth. Keys
     # come from here, from the environment variable named by api_keys_env and from the file
@@ -62,6 +65,14 @@ class ApiConfig(BaseModel):
         "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
         "shimmer", "verse"])
     readiness_timeout_s: float = Field(2.0, gt=0)
+
+    @field_validator("max_input_chars")
+    @classmethod
+    def _within_engine_limit(cls, value: int) -> int:
+        if value > MAX_TEXT_CHARS:
+            raise ValueError(f"api.max_input_chars is {value}, above the {MAX_TEXT_CHARS} "
+                             "characters the engines accept (serve_app.text_rule.MAX_TEXT_CHARS)")
+        return value
 
 
 class AppArgs(BaseModel):

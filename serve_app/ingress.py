@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app import __version__, errors
 from serve_app.audio import CONTENT_TYPES, check_format_rate
 from serve_app.config import ApiConfig
-from serve_app.engines.base import SpeechRequest
+from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.errors import ApiError
 from serve_app.guard import (
     REQUEST_ID_HEADER,
@@ -38,6 +38,7 @@ from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
 from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+from serve_app.text_rule import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +228,9 @@ class Ingress:
         if body.model not in (info.model_id, *self._api.model_aliases):
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
-        self._check_length(body.input, "input")
+        text = self._checked_text(body.input, "input")
         voice = "default" if body.voice in self._api.voice_aliases else body.voice
-        request = SpeechRequest(request_id=_request_id(http), text=body.input, voice=voice,
+        request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
                                 speed=body.speed, max_audio_s=self._api.max_audio_s)
         _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
         return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s)
@@ -238,20 +239,22 @@ class Ingress:
                   response_class=StreamingResponse)
     async def native_speech(self, body: NativeSpeechBody, http: Request) -> StreamingResponse:
         received_s = time.perf_counter()
-        self._check_length(body.text, "text")
+        text = self._checked_text(body.text, "text")
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
-        request = SpeechRequest(request_id=_request_id(http), text=body.text, mode=body.mode,
+        request = SpeechRequest(request_id=_request_id(http), text=text, mode=body.mode,
                                 voice=body.voice, speed=body.speed, seed=body.seed,
                                 max_audio_s=self._api.max_audio_s)
         _describe(http, request, body.format, body.sample_rate)
         return await self._stream(request, body.format, body.sample_rate, received_s)
 
-    def _check_length(self, text: str, param: str) -> None:
-        if len(text) > self._api.max_input_chars:
-            raise ApiError(400, f"{param} is longer than {self._api.max_input_chars} characters",
-                           param=param, code="string_too_long")
+    def _checked_text(self, text: str, param: str) -> str:
+        """The text under the shared rule (serve_app.text_rule), or a 400."""
+        try:
+            return check_text(text, self._api.max_input_chars, param)
+        except InvalidRequestError as exc:
+            raise errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code) from None
 
     async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
                       received_s: float) -> StreamingResponse:

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.audio import SAMPLE_RATES_HZ
 
-MAX_INPUT_CHARS = 4096
-
-
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("must not be empty or only whitespace")
-    return text
+# The text's length and content are checked by the ingress under serve_app.text_rule, against
+# api.max_input_chars (a schema cap here would override the configured limit).
+_TEXT = ("Text to speak: at most api.max_input_chars characters (default 4096) once control, "
+         "format and unassigned characters are removed; something to speak must be left")
 
 
 class OpenAISpeechBody(BaseModel):
@@ -24,12 +21,10 @@ class OpenAISpeechBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="tts-1, tts-1-hd, gpt-4o-mini-tts or the engine's id")
-    input: str = Field(..., max_length=MAX_INPUT_CHARS, description="Text to speak")
+    input: str = Field(..., description=_TEXT)
     voice: str = Field(..., description="An OpenAI voice name or one of /v1/voices")
     response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
-
-    _input_not_blank = field_validator("input")(_not_blank)
 
 
 class NativeSpeechBody(BaseModel):
@@ -37,7 +32,7 @@ class NativeSpeechBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str = Field(..., max_length=MAX_INPUT_CHARS)
+    text: str = Field(..., description=_TEXT)
     mode: Literal["read", "chat"] = Field(
         "read", description="read: speak the text; chat: answer it in speech")
     format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "wav"
@@ -47,5 +42,3 @@ class NativeSpeechBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1,
                              description="Reproducible output (piper: noise-free synthesis)")
     speed: float = Field(1.0, ge=0.25, le=4.0)
-
-    _text_not_blank = field_validator("text")(_not_blank)

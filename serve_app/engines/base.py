@@ -89,7 +89,7 @@ class LengthControls:
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """One text-to-speech stream.
+    """One text-to-speech stream; ``text`` is cleaned on construction (``serve_app.text_rule``).
 
     ``text_input``: ``"whole"`` (``text`` is all there is) or ``"streamed"`` (``text`` is what is
     known at submission, possibly empty; the rest comes through :meth:`Engine.feed_text`).
@@ -106,6 +106,12 @@ class SpeechRequest:
     max_audio_s: float | None = None
     lengths: LengthControls = field(default_factory=LengthControls)
     text_input: TextInput = "whole"
+
+    def __post_init__(self) -> None:
+        # Whoever builds a request, its engine sees the text under the one text rule.
+        from serve_app.text_rule import clean_text  # imported here: text_rule imports this module
+
+        object.__setattr__(self, "text", clean_text(self.text))
 
 
 @dataclass

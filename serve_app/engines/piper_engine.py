@@ -24,13 +24,18 @@ Streaming and batching:
   clause as clauses complete (see :func:`~.streamed_text.complete_clauses`).
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
   own ``PiperVoice.synthesize``; resampling is the encoder's job.
+- Text: the shared rule (``serve_app.text_rule``) first; then ``validate`` phonemizes the text
+  (cached for the step that follows) and refuses with ``nothing_to_speak`` a text espeak-ng finds
+  nothing to say in (``"..."``, ``"—"``), which would otherwise stream no audio at all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -54,6 +59,7 @@ from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
 from serve_app.engines.piper_voice import cut_phonemes, load_voice, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
+from serve_app.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,8 @@ MODEL_ID = "piper-en_US-joe-medium"
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
 _CLAUSE_BREAK = ","
+# Texts whose phoneme pieces are kept: validate's, for the step that phonemizes them next.
+_PHONEMIZED_TEXTS_KEPT = 32
 _WARMUP_TEXT = ("Warming up the voice with one long sentence that keeps on going for a while, "
                 "so that the first real request of a similar length finds every buffer ready.")
 
@@ -74,7 +82,7 @@ class _Stream:
     scales: Scales
     submitted_at_s: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    pieces: deque | None = None  # phoneme-id lists still to synthesize; None before phonemizing
+    pieces: deque | None = None  # phoneme-id pieces still to synthesize; None before phonemizing
     fed: ClauseFeed | None = None  # streamed input; its clauses are phonemized by the worker
     samples_emitted: int = 0
     started: bool = False
@@ -96,7 +104,7 @@ class PiperEngine:
     def __init__(self, voice: PiperVoice, has_durations: bool, *, max_batch_size: int = 8,
                  noise_scale: float | None = None, noise_w_scale: float | None = None,
                  max_sentence_phonemes: int = 400, first_piece_phonemes: int = 0,
-                 max_text_chars: int = 4096, max_queued_streams: int = 256,
+                 max_queued_streams: int = 256,
                  fault_injection: dict[str, Any] | FaultInjection | None = None) -> None:
         self._voice = voice
         # piper-tts's espeak bridge leaks every clause it phonemizes (see espeak_refs).
@@ -109,7 +117,10 @@ class PiperEngine:
         self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
         self._max_sentence_phonemes = max_sentence_phonemes
         self._first_piece_phonemes = first_piece_phonemes
-        self._max_text_chars = max_text_chars
+        # espeak-ng keeps global state: validate (event loop) and the step thread take turns.
+        self._espeak_lock = threading.Lock()
+        self._phoneme_pieces = functools.lru_cache(_PHONEMIZED_TEXTS_KEPT)(
+            self._phonemize_locked)
         # Streams held beyond the batch's rows; more than this is refused (bounded memory).
         self._max_queued_streams = max_queued_streams
         self._faults = FaultInjection.from_options(fault_injection)
@@ -143,12 +154,14 @@ class PiperEngine:
                 param="mode", code="unsupported_mode", status_code=422)
         if request.text_input not in TEXT_INPUTS:
             raise InvalidRequestError(f"unknown text_input {request.text_input!r}", "text_input")
-        if request.text_input == "whole" and not request.text.strip():
-            raise InvalidRequestError("text must not be empty", param="text", code="empty_text")
-        if len(request.text) > self._max_text_chars:
-            raise InvalidRequestError(
-                f"text is longer than {self._max_text_chars} characters", param="text",
-                code="text_too_long")
+        if request.text_input == "whole":
+            check_text(request.text)
+            if not self._phoneme_pieces(request.text):
+                raise InvalidRequestError("text holds nothing this voice can speak",
+                                          param="text", code=NOTHING_TO_SPEAK)
+        elif len(request.text) > MAX_TEXT_CHARS:
+            raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters",
+                                      param="text", code="text_too_long")
         if request.voice not in (VOICE_NAME, "default"):
             raise InvalidRequestError(
                 f"unknown voice {request.voice!r}; available: {VOICE_NAME}", param="voice",
@@ -172,7 +185,7 @@ class PiperEngine:
             stream = _Stream(request=request, scales=self._scales(request), submitted_at_s=now)
             if request.text_input == "streamed":
                 stream.pieces = deque()
-                stream.fed = ClauseFeed(request.text, self._max_text_chars)
+                stream.fed = ClauseFeed(request.text, MAX_TEXT_CHARS)
             self._streams[request.request_id] = stream
             iterators.append(self._iterate(stream))
         assert self._wakeup is not None
@@ -200,7 +213,7 @@ class PiperEngine:
         return EngineStats(**self._stats.as_dict())
 
     def warmup(self) -> None:
-        ids = self._phonemize(_WARMUP_TEXT)[0]
+        ids = self._phoneme_pieces(_WARMUP_TEXT)[0]
         # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
         self._synthesize([ids] * rows, (self._noise_scale, self._config.length_scale,
@@ -289,11 +302,12 @@ class PiperEngine:
         for index, stream in enumerate(streams):
             try:
                 if stream.pieces is None:
-                    stream.pieces = deque(self._phonemize(stream.request.text))
+                    stream.pieces = deque(self._phoneme_pieces(stream.request.text))
                 if stream.fed is not None:
                     for clause in stream.fed.clauses:
                         first = not stream.started and not stream.pieces
-                        stream.pieces.extend(self._phonemize(clause, first))
+                        with self._espeak_lock:
+                            stream.pieces.extend(self._phonemize(clause, first))
                     stream.fed.clauses = []
                 if stream.pieces:
                     groups.setdefault(stream.scales, []).append((index, stream.pieces.popleft()))
@@ -382,6 +396,10 @@ class PiperEngine:
 
     def _synthesize(self, rows: list[list[int]], scales: Scales) -> list[np.ndarray]:
         return synthesize_batch(self._voice, self._has_durations, rows, scales)
+
+    def _phonemize_locked(self, text: str) -> tuple[tuple[int, ...], ...]:
+        with self._espeak_lock:
+            return tuple(tuple(ids) for ids in self._phonemize(text))
 
     def _phonemize(self, text: str, first: bool = True) -> list[list[int]]:
         """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.

@@ -50,8 +50,24 @@ def wait_for(server: Server, check: Callable[[dict[str, Samples]], bool],
         samples = scrape(server)
         if check(samples):
             return samples
-        assert time.monotonic() < deadline, "metrics never showed the expected values"
+        assert time.monotonic() < deadline, ("metrics never showed the expected values", {
+            name: values for name, values in samples.items() if name.startswith("ray_tts_")
+            or name == "ray_serve_num_http_requests_total"})
         time.sleep(0.3)
+
+
+def settled(server: Server, name: str, timeout_s: float = 60) -> dict[str, Samples]:
+    """A snapshot once ``name`` has stopped moving for two report intervals, so that earlier
+    tests' last reports are in it."""
+    deadline = time.monotonic() + timeout_s
+    previous = scrape(server)
+    while True:
+        time.sleep(2.5)
+        current = scrape(server)
+        if total(current, name) == total(previous, name):
+            return current
+        assert time.monotonic() < deadline, f"{name} never settled"
+        previous = current
 
 
 def speak(server: Server, text: str) -> tuple[int, float]:
@@ -64,7 +80,7 @@ def speak(server: Server, text: str) -> tuple[int, float]:
 
 
 def test_metrics_show_ttfb_active_streams_and_batch_occupancy(server: Server) -> None:
-    before = scrape(server)
+    before = settled(server, "ray_tts_ttfb_seconds_count")
     ttfb_count = total(before, "ray_tts_ttfb_seconds_count")
     ttfb_sum_s = total(before, "ray_tts_ttfb_seconds_sum")
     audio_s = total(before, "ray_tts_audio_seconds_total")
@@ -76,20 +92,33 @@ def test_metrics_show_ttfb_active_streams_and_batch_occupancy(server: Server) ->
         busy = wait_for(server, lambda s: total(s, "ray_tts_engine_active_streams") >= 2
                         and total(s, "ray_tts_engine_batch_size") >= 2
                         and total(s, "ray_tts_engine_batch_occupancy") > 0)
+        # The ingress reports on its own rhythm, not with the synthesizer: watch its gauge
+        # over the whole time the streams are open, not in that one snapshot.
+        http_streams_seen = [total(busy, "ray_tts_http_streams_active")]
+        while not all(future.done() for future in futures):
+            http_streams_seen.append(total(scrape(server), "ray_tts_http_streams_active"))
+            time.sleep(0.3)
         sizes, walls_s = zip(*(future.result() for future in futures))
     assert all(size > 0 for size in sizes)
     assert total(busy, "ray_tts_engine_slots") == 8
     assert total(busy, "ray_tts_engine_batch_size") <= 8
     assert total(busy, "ray_tts_engine_batch_occupancy") == pytest.approx(
         total(busy, "ray_tts_engine_batch_size") / 8)
-    assert total(busy, "ray_tts_http_streams_active") >= 1
+    assert max(http_streams_seen) >= 1
     assert total(busy, "ray_tts_queued_requests", stage="engine") >= 0
 
     # 24 kHz s16le: 48000 bytes a second.
     produced_s = sum(sizes) / 48000
+    # Each replica reports its own metrics about once a second, in its own rhythm: the
+    # ingress's "0 streams" may reach the port after the encoder's audio seconds. So wait for
+    # the snapshot where every replica has reported the end, rather than read the first one.
     after = wait_for(server, lambda s: total(s, "ray_tts_ttfb_seconds_count")
                      >= ttfb_count + STREAMS and total(s, "ray_tts_engine_active_streams") == 0
-                     and total(s, "ray_tts_audio_seconds_total") - audio_s > produced_s * 0.9)
+                     and total(s, "ray_tts_audio_seconds_total") - audio_s > produced_s * 0.9
+                     and total(s, "ray_tts_http_streams_active") == 0
+                     and total(s, "ray_tts_engine_batch_occupancy") == 0
+                     and total(s, "ray_serve_num_http_requests_total",
+                               route="/v1/speech/stream") > 0)
     # TTFB: every stream observed (the count may also take in an earlier test's last report).
     count = total(after, "ray_tts_ttfb_seconds_count") - ttfb_count
     assert STREAMS <= count <= STREAMS + 2
@@ -112,7 +141,8 @@ def test_metrics_show_ttfb_active_streams_and_batch_occupancy(server: Server) ->
     assert total(after, "ray_tts_engine_steps_total") > 0
     assert total(after, "ray_tts_engine_streams_total", outcome="completed") >= STREAMS
     # Ray Serve's own metrics share the port, @serve.batch admissions among them.
-    assert total(after, "ray_serve_num_http_requests_total", route="/v1/speech/stream") > 0
+    assert total(after, "ray_serve_num_http_requests_total", route="/v1/speech/stream") > 0, \
+        after.get("ray_serve_num_http_requests_total")
     assert total(after, "ray_serve_actual_batch_size_count", deployment="Synthesizer") > 0
 
 
@@ -142,8 +172,14 @@ def test_dashboard_charts_only_exported_metrics(server: Server) -> None:
     assert not missing, f"charted but not exported: {missing}"
 
 
-def test_a_stream_without_audio_ends_complete(client: httpx.Client) -> None:
-    """Nothing to say (a lone symbol): no audio seconds to count, and the reply still completes."""
+def test_nothing_to_speak_is_an_error_counted_by_code(server: Server,
+                                                      client: httpx.Client) -> None:
+    """A text with nothing to say (an unassigned code point) is refused, not an empty 200."""
+    def refused(samples: dict[str, Samples]) -> float:
+        return total(samples, "ray_tts_errors_total", code="nothing_to_speak", status="400")
+
+    before = refused(scrape(server))
     response = client.post("/v1/speech/stream", json={"text": "\U000c4a7e", "format": "wav"})
-    assert response.status_code == 200
-    assert len(response.content) == 44  # the WAV header alone
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "nothing_to_speak"
+    wait_for(server, lambda s: refused(s) == before + 1)

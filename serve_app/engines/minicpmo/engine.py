@@ -14,13 +14,14 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+from ...text_rule import MAX_TEXT_CHARS, check_text
 from ..base import TEXT_INPUTS, AudioChunk, EngineStats, InvalidRequestError, SpeechRequest
 from ..streamed_text import StreamedText
 from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ
 from .loader import LoadedModel, load_speech_model
-from .options import MAX_TEXT_CHARS, EngineOptions
+from .options import EngineOptions
 from .quantization import quantize_llm
 from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
@@ -93,9 +94,9 @@ class MiniCPMOEngine:
         if streamed and request.mode != "read":
             raise InvalidRequestError("streamed text input needs mode 'read'", "text_input",
                                       code="unsupported_text_input")
-        if not streamed and (not text or not text.strip()):
-            raise InvalidRequestError("text must not be empty", "text")
-        if len(text) > MAX_TEXT_CHARS:
+        if not streamed:
+            check_text(text)  # the shared rule (serve_app.text_rule)
+        elif len(text) > MAX_TEXT_CHARS:
             raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters", "text",
                                       code="text_too_long")
         if request.mode not in self.modes:

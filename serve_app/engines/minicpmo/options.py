@@ -10,8 +10,6 @@ from .layers import ONE_QUERY_KERNELS
 from .loader import DEFAULT_MODEL_ID
 from .quantization import check_mode as check_quantization
 
-MAX_TEXT_CHARS = 4096  # longest text one request may speak (streamed input counts all deltas)
-
 
 @dataclass(frozen=True)
 class EngineOptions:
