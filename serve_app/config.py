@@ -31,6 +31,8 @@ class ApiConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_input_chars: int = Field(4096, ge=1)
+    # Longest `instructions` (voice and style direction); the LLM prefill runs on all of it.
+    max_instructions_chars: int = Field(1000, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024)
     # Bearer keys the /v1 routes require (any of them); none at all serves without auth. Keys
     # come from here, from the environment variable named by api_keys_env and from the file

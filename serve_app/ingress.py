@@ -18,28 +18,28 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app import __version__
 from serve_app.audio import CONTENT_TYPES, check_format_rate
-from serve_app.config import HOP_MARGIN_S, ApiConfig
+from serve_app.config import ApiConfig
 from serve_app.engines.base import SpeechRequest
 from serve_app.errors import ApiError, error_body, error_response
+from serve_app.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.guard import (
     RETRY_AFTER,
     SPEECH_ROUTES,
     KeyRing,
     RequestRecord,
     StreamAdmission,
-    TimedPieces,
 )
 from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo, StreamError
 from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+from serve_app.stream_open import open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -337,70 +337,52 @@ class Ingress:
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
         self._check_length(body.input, "input")
+        self._check_length(body.instructions, "instructions", self._api.max_instructions_chars)
         voice = "default" if body.voice in self._api.voice_aliases else body.voice
         request = SpeechRequest(request_id=_request_id(http), text=body.input, voice=voice,
-                                speed=body.speed, max_audio_s=self._api.max_audio_s)
+                                speed=body.speed, seed=body.seed,
+                                max_audio_s=self._api.max_audio_s,
+                                system_prompt=body.instructions or None)
         _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
-        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s)
+        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s,
+                                  events=body.stream_format == "sse")
 
     @api_app.post("/v1/speech/stream", summary="Native streaming speech",
                   response_class=StreamingResponse)
     async def native_speech(self, body: NativeSpeechBody, http: Request) -> StreamingResponse:
         received_s = time.perf_counter()
         self._check_length(body.text, "text")
+        self._check_length(body.instructions, "instructions", self._api.max_instructions_chars)
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
         request = SpeechRequest(request_id=_request_id(http), text=body.text, mode=body.mode,
                                 voice=body.voice, speed=body.speed, seed=body.seed,
-                                max_audio_s=self._api.max_audio_s)
+                                max_audio_s=self._api.max_audio_s,
+                                system_prompt=body.instructions or None)
         _describe(http, request, body.format, body.sample_rate)
         return await self._stream(request, body.format, body.sample_rate, received_s)
 
-    def _check_length(self, text: str, param: str) -> None:
-        if len(text) > self._api.max_input_chars:
-            raise ApiError(400, f"{param} is longer than {self._api.max_input_chars} characters",
-                           param=param, code="string_too_long")
+    def _check_length(self, text: str | None, param: str, limit: int | None = None) -> None:
+        limit = limit or self._api.max_input_chars
+        if text is not None and len(text) > limit:
+            raise ApiError(400, f"{param} is longer than {limit} characters", param=param,
+                           code="string_too_long")
 
     async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
-                      received_s: float) -> StreamingResponse:
+                      received_s: float, events: bool = False) -> StreamingResponse:
         started_s = time.perf_counter()
-        job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz)
-        pieces: DeploymentResponseGenerator = self._encoder.stream.options(stream=True).remote(job)
-        first_timeout_s = self._api.first_chunk_timeout_s + 2 * HOP_MARGIN_S
-        try:
-            # The first item tells rejection (StreamError) from audio, so the status is right.
-            first = await asyncio.wait_for(pieces.__anext__(), first_timeout_s)
-        except StopAsyncIteration:
-            first = b""
-        except BackPressureError:
-            raise ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
-                           error_type="service_unavailable", headers=RETRY_AFTER)
-        except TimeoutError:
-            pieces.cancel()
-            logger.error("request %s: no audio within %g s", request.request_id, first_timeout_s)
-            raise ApiError(504, "speech synthesis timed out", code="timeout",
-                           error_type="server_error") from None
-        except Exception as exc:
-            pieces.cancel()
-            logger.error("request %s: encoder stream failed (%s)", request.request_id,
-                         type(exc).__name__)
-            raise ApiError(503, "speech synthesis failed; retry shortly",
-                           code="synthesis_unavailable", headers=RETRY_AFTER) from None
-        except BaseException:
-            pieces.cancel()
-            raise
-        if isinstance(first, StreamError):
-            raise ApiError(first.status_code, first.message, param=first.param, code=first.code,
-                           error_type=first.type,
-                           headers=RETRY_AFTER if first.status_code == 503 else None)
-        pieces = TimedPieces(pieces, request.request_id,
-                             self._api.chunk_timeout_s + 2 * HOP_MARGIN_S,
-                             self._api.max_stream_s, started_s)
+        job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz,
+                        events=events)
+        first, pieces = await open_stream(self._encoder, job, self._api, started_s)
         if first:
             self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
                                        audio_format)
         # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
         headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
+        if events:
+            return StreamingResponse(sse_body(first, pieces, request.request_id, self._metrics),
+                                     media_type=SSE_MEDIA_TYPE,
+                                     headers={**headers, "cache-control": "no-cache"})
         return StreamingResponse(_body(first, pieces, request.request_id, self._metrics),
                                  media_type=CONTENT_TYPES[audio_format], headers=headers)

@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from serve_app.audio import SAMPLE_RATES_HZ
 
 MAX_INPUT_CHARS = 4096
+# Schema ceiling; the served limit is the (lower) api.max_instructions_chars.
+MAX_INSTRUCTIONS_CHARS = 4096
+INSTRUCTIONS_DESCRIPTION = ("Voice and style direction (OpenAI's instructions); engines that "
+                            "cannot follow it (piper) answer 400")
 
 
 def _not_blank(text: str) -> str:
@@ -20,7 +24,7 @@ def _not_blank(text: str) -> str:
 class OpenAISpeechBody(BaseModel):
     """``POST /v1/audio/speech``, as in OpenAI's API. ``pcm`` is 24 kHz s16le mono."""
 
-    # Fields OpenAI added later (instructions, stream_format) are accepted and ignored.
+    # Fields this API does not know are ignored, as OpenAI's own clients send new ones first.
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="tts-1, tts-1-hd, gpt-4o-mini-tts or the engine's id")
@@ -28,6 +32,13 @@ class OpenAISpeechBody(BaseModel):
     voice: str = Field(..., description="An OpenAI voice name or one of /v1/voices")
     response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS,
+                                     description=INSTRUCTIONS_DESCRIPTION)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1,
+                             description="Not in OpenAI's API: reproducible output")
+    stream_format: Literal["audio", "sse"] = Field(
+        "audio", description="audio: the raw audio bytes; sse: server-sent events "
+                             "(speech.audio.delta with base64 audio, then speech.audio.done)")
 
     _input_not_blank = field_validator("input")(_not_blank)
 
@@ -47,5 +58,7 @@ class NativeSpeechBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1,
                              description="Reproducible output (piper: noise-free synthesis)")
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS,
+                                     description=INSTRUCTIONS_DESCRIPTION)
 
     _text_not_blank = field_validator("text")(_not_blank)

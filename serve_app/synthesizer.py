@@ -27,8 +27,9 @@ from serve_app.engines.base import (
 )
 from serve_app.engines.registry import create_engine
 from serve_app.logs import use_replica_log
-from serve_app.messages import EngineInfo, StreamError
+from serve_app.messages import EngineInfo, StreamError, StreamUsage
 from serve_app.metrics import SynthesizerMetrics
+from serve_app.usage import stream_usage
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 METRICS_REFRESH_S = 0.5
 
 BatchItem = AudioChunk | StreamError
+StreamItem = AudioChunk | StreamError | StreamUsage
 
 
 def _invalid(exc: InvalidRequestError) -> StreamError:
@@ -119,8 +121,9 @@ class Synthesizer:
         self._batching = config
         logger.info("batching: %s", config.model_dump())
 
-    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[BatchItem]:
-        """Stream one request's chunks; a rejected or failed request yields one StreamError."""
+    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[StreamItem]:
+        """Stream one request's chunks, then its StreamUsage; a rejected or failed request ends
+        with one StreamError instead."""
         try:
             self._engine.validate(request)
         except InvalidRequestError as exc:
@@ -132,6 +135,7 @@ class Synthesizer:
         self._in_flight += 1
         batches = self._batched(request)
         timeout_s = self._first_chunk_timeout_s
+        samples = 0
         try:
             while True:
                 try:
@@ -148,9 +152,11 @@ class Synthesizer:
                     if isinstance(item, StreamError):
                         finished = True
                         return
+                    samples += len(item.samples)
                 if items:
                     timeout_s = self._chunk_timeout_s
             finished = True
+            yield stream_usage(self._engine, request, request.text, samples)
         finally:
             self._in_flight -= 1
             self._waiting_for_admission.discard(request.request_id)

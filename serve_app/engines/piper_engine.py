@@ -120,6 +120,8 @@ class PiperEngine:
         release_leaked_clause_refs(voice)
         self._config: PiperConfig = voice.config
         self.sample_rate_hz: int = self._config.sample_rate
+        # The model's audio frames are its output tokens (usage counts them).
+        self.samples_per_audio_token: int = self._config.hop_length
         self.max_batch_size = max_batch_size if has_durations else 1
         self._has_durations = has_durations
         self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
@@ -168,6 +170,11 @@ class PiperEngine:
                 "The piper engine cannot chat: it only reads the given text aloud "
                 "(use mode 'read', or deploy the minicpmo engine for chat).",
                 param="mode", code="unsupported_mode", status_code=422)
+        if request.system_prompt:
+            raise InvalidRequestError(
+                "The piper engine cannot follow instructions: it has one fixed speaking style "
+                "(leave instructions out, or deploy the minicpmo engine).",
+                param="instructions", code="unsupported_parameter")
         if not request.text or not request.text.strip():
             raise InvalidRequestError("text must not be empty", param="text", code="empty_text")
         if len(request.text) > self._max_text_chars:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import time
 
 import httpx
@@ -103,3 +105,34 @@ def test_bad_input_is_a_json_4xx_and_the_app_keeps_serving(minicpmo_app):
     ok = httpx.post(f"{minicpmo_app}/v1/speech/stream", timeout=300,
                     json={"text": "Still here.", "mode": "read", "format": "pcm"})
     assert ok.status_code == 200 and len(ok.content) > 0
+
+
+def sse_events(minicpmo_app, **body) -> list[dict]:
+    request = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm",
+               "stream_format": "sse", **body}
+    with httpx.stream("POST", f"{minicpmo_app}/v1/audio/speech", json=request,
+                      timeout=300) as reply:
+        assert reply.status_code == 200, reply.read()
+        return [json.loads(line[5:]) for line in reply.iter_lines() if line.startswith("data:")]
+
+
+def test_sse_chunks_carry_their_text_and_instructions_shape_the_voice(minicpmo_app):
+    plain = sse_events(minicpmo_app)
+    # (On the tiny random model some instructions move the speaker embedding too little to
+    # change a greedy code; this one changes the audio, see tests/engines/minicpmo.)
+    directed = sse_events(minicpmo_app,
+                          instructions="Speak slowly, in a warm and cheerful voice.")
+    for events in (plain, directed):
+        *deltas, done = events
+        assert {event["type"] for event in deltas} == {"speech.audio.delta"}
+        assert done["type"] == "speech.audio.done"
+        # The chunks' texts, in order, are the text read (the tiny model's random weights may
+        # end the audio before the text's end).
+        spoken = "".join(event["text"] for event in deltas)
+        assert spoken and TEXT.startswith(spoken)
+        assert deltas[0]["text"].startswith("Hello")
+    # The instructions' tokens are counted, and (greedy decoding) they change the audio.
+    assert directed[-1]["usage"]["input_tokens"] > plain[-1]["usage"]["input_tokens"] > 0
+    audio = [b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+             for events in (plain, directed)]
+    assert audio[0] != audio[1]

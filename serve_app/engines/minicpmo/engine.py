@@ -62,7 +62,7 @@ from .audio_step import (
     key_count_buckets,
     text_prefill_step,
 )
-from .codec import StreamingAudioJoiner
+from .codec import SAMPLES_PER_CODE_FRAME, StreamingAudioJoiner
 from .decode_graphs import MultiLengthDecodeGraphs
 from .layers import (
     ONE_QUERY_KERNELS,
@@ -198,6 +198,7 @@ class MiniCPMOEngine:
 
     sample_rate_hz = SAMPLE_RATE_HZ
     modes = ("read", "chat")
+    samples_per_audio_token = SAMPLES_PER_CODE_FRAME  # one audio code frame per output token
 
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
         self.options = options
@@ -286,6 +287,10 @@ class MiniCPMOEngine:
 
     def voices(self) -> list[str]:
         return list(self.options.voices)
+
+    def count_tokens(self, text: str) -> int:
+        """LLM tokens of ``text`` (usage's input tokens)."""
+        return len(self.model.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def validate(self, request: SpeechRequest) -> None:
         text = request.text
