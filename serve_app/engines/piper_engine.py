@@ -177,6 +177,9 @@ class PiperEngine:
                 param="instructions", code="unsupported_parameter")
         if not request.text or not request.text.strip():
             raise InvalidRequestError("text must not be empty", param="text", code="empty_text")
+        if "\x00" in request.text:  # espeak takes C strings: a NUL would fail the stream
+            raise InvalidRequestError("text must not contain NUL characters", param="text",
+                                      code="invalid_text")
         if len(request.text) > self._max_text_chars:
             raise InvalidRequestError(
                 f"text is longer than {self._max_text_chars} characters", param="text",

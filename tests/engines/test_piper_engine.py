@@ -118,6 +118,8 @@ def test_long_sentence_is_cut_into_several_chunks(engine: PiperEngine) -> None:
     ({"voice": "nobody"}, "voice", 400),
     ({"speed": 0.1}, "speed", 400),
     ({"speed": 4.5}, "speed", 400),
+    ({"text": "Hello\x00there."}, "text", 400),
+    ({"system_prompt": "Speak like a pirate."}, "instructions", 400),
 ])
 def test_validate_rejects_before_scheduling(engine: PiperEngine, fields: dict, param: str,
                                             status: int) -> None:
