@@ -25,28 +25,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_app.engines.minicpmo import layers  # noqa: E402
-from serve_app.engines.minicpmo.audio_step import (  # noqa: E402
-    ACTIVE, CALL_FRAMES, COUNTER, EOS_AFTER, FRAME0, PACKED_COLUMNS, POSITION, SEED, STEPS_LEFT,
-    TEXT_LEN, WARP, audio_window, key_count_buckets)
+from serve_app.engines.minicpmo.audio_step import AudioStepInputs, audio_window, key_count_buckets  # noqa: E402
 from serve_app.engines.minicpmo.graphs import capture_per_bucket  # noqa: E402
 from serve_app.engines.minicpmo.layers import SlotKVCache  # noqa: E402
-from serve_app.engines.minicpmo.schedule import NEVER  # noqa: E402
+from serve_app.engines.minicpmo.speech_schedule import NEVER  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
 
 
-def packed_rows(batch: int, args, num_vq: int, device) -> torch.Tensor:
-    packed = torch.zeros(batch, PACKED_COLUMNS, dtype=torch.long)
-    packed[:, ACTIVE] = 1
-    packed[:, FRAME0:FRAME0 + num_vq] = torch.randint(0, 600, (batch, num_vq))
-    packed[:, POSITION] = args.position
-    packed[:, TEXT_LEN] = 100
-    packed[:, CALL_FRAMES] = 10
-    packed[:, EOS_AFTER] = NEVER
-    packed[:, STEPS_LEFT] = args.steps
-    packed[:, WARP] = 1
-    packed[:, SEED] = torch.arange(batch)
-    packed[:, COUNTER] = 7
-    return packed.to(device)
+def packed_rows(batch: int, args, num_vq: int, device) -> AudioStepInputs:
+    def column(value) -> torch.Tensor:
+        return torch.full((batch,), value, dtype=torch.long)
+
+    return AudioStepInputs(
+        active=column(1), bos=column(0), frame=torch.randint(0, 600, (batch, num_vq)),
+        position=column(args.position), text_len=column(100), call_frames=column(10),
+        eos_after=column(NEVER), warp=column(1), seed=torch.arange(batch), counter=column(7),
+        greedy=column(0), steps_left=column(args.steps)).to(device)
 
 
 def kernel_table(prof, attention: str, batch: int) -> dict:

@@ -15,10 +15,17 @@ INSTRUCTIONS_DESCRIPTION = ("Voice and style direction (OpenAI's instructions); 
                             "cannot follow it (piper) answer 400")
 
 
+def no_nul(text: str | None) -> str | None:
+    # Engines hand text to C libraries (espeak) that would stop at a NUL.
+    if text is not None and "\x00" in text:
+        raise ValueError("must not contain NUL characters")
+    return text
+
+
 def _not_blank(text: str) -> str:
     if not text.strip():
         raise ValueError("must not be empty or only whitespace")
-    return text
+    return no_nul(text)
 
 
 class OpenAISpeechBody(BaseModel):
@@ -41,6 +48,7 @@ class OpenAISpeechBody(BaseModel):
                              "(speech.audio.delta with base64 audio, then speech.audio.done)")
 
     _input_not_blank = field_validator("input")(_not_blank)
+    _instructions_no_nul = field_validator("instructions")(no_nul)
 
 
 class NativeSpeechBody(BaseModel):
@@ -62,3 +70,4 @@ class NativeSpeechBody(BaseModel):
                                      description=INSTRUCTIONS_DESCRIPTION)
 
     _text_not_blank = field_validator("text")(_not_blank)
+    _instructions_no_nul = field_validator("instructions")(no_nul)

@@ -24,6 +24,7 @@ from serve_app.engines.base import (
     InvalidRequestError,
     RequestAbortedError,
     SpeechRequest,
+    refuse_unsupported,
 )
 from serve_app.engines.registry import create_engine
 from serve_app.logs import use_replica_log
@@ -125,6 +126,7 @@ class Synthesizer:
         """Stream one request's chunks, then its StreamUsage; a rejected or failed request ends
         with one StreamError instead."""
         try:
+            refuse_unsupported(self._engine, request)
             self._engine.validate(request)
         except InvalidRequestError as exc:
             yield _invalid(exc)

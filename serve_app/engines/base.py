@@ -15,7 +15,8 @@ from typing import AsyncIterator, Literal, Protocol
 import numpy as np
 
 Mode = Literal["read", "chat"]
-MODES: tuple[str, ...] = ("read", "chat")
+TextInput = Literal["whole", "streamed"]
+TEXT_INPUTS: tuple[str, ...] = ("whole", "streamed")
 
 
 class EngineError(RuntimeError):
@@ -47,7 +48,7 @@ class RequestAbortedError(EngineError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """LLM sampling for ``chat`` mode (MINICPMO.md section 5 defaults).
+    """LLM sampling for ``chat`` mode (MiniCPM-o's defaults; see docs/minicpmo.md, "Chat mode").
 
     ``temperature == 0`` means greedy decoding, which makes a request's output independent of
     the batch it runs in.
@@ -88,7 +89,11 @@ class LengthControls:
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """One text-to-speech stream."""
+    """One text-to-speech stream.
+
+    ``text_input``: ``"whole"`` (``text`` is all there is) or ``"streamed"`` (``text`` is what is
+    known at submission, possibly empty; the rest comes through :meth:`Engine.feed_text`).
+    """
 
     request_id: str
     text: str
@@ -100,6 +105,7 @@ class SpeechRequest:
     system_prompt: str | None = None
     max_audio_s: float | None = None
     lengths: LengthControls = field(default_factory=LengthControls)
+    text_input: TextInput = "whole"
 
 
 @dataclass
@@ -154,6 +160,12 @@ class Engine(Protocol):
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
         """Admit requests; each returned iterator yields that stream's chunks, the last final."""
 
+    def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
+        """Append ``delta`` to a running streamed request; ``done`` ends its input (``delta`` may
+        be empty then). Raises :class:`InvalidRequestError` with code ``unknown_stream`` (no such
+        running streamed request: unknown, finished or aborted), ``input_done`` (text after the
+        end) or ``text_too_long`` (past the engine's text limit). Never waits for the model."""
+
     def abort(self, request_id: str) -> None:
         """Free the stream's slot at once; its iterator ends with :class:`RequestAbortedError`."""
 
@@ -163,3 +175,17 @@ class Engine(Protocol):
         """Run a throwaway request so the first real one pays no compile/allocation cost."""
 
     def close(self) -> None: ...
+
+
+def refuse_unsupported(engine: object, request: SpeechRequest) -> None:
+    """Refuse a request for what ``engine`` has not declared it can do, before its validate:
+    ``system_prompt`` (the API's ``instructions``) needs ``follows_instructions = True``.
+
+    Raises :class:`InvalidRequestError` naming the API parameter.
+    """
+    if request.system_prompt and not getattr(engine, "follows_instructions", False):
+        name = getattr(engine, "model_id", type(engine).__name__)
+        raise InvalidRequestError(
+            f"the {name} engine cannot follow instructions: it has one fixed speaking style "
+            "(leave instructions out, or deploy the minicpmo engine)", "instructions",
+            code="unsupported_parameter")

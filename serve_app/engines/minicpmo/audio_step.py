@@ -1,6 +1,6 @@
 """TTS audio steps for a batch of streams, as pure tensor functions.
 
-Everything from the packed per-row inputs to the sampled codes happens here (embedding,
+Everything from the per-row inputs (:class:`AudioStepInputs`) to the sampled codes happens here (embedding,
 attention mask, decoder, heads, temperature, top-p/top-k, end-of-audio rule, sampling), so the
 whole step replays as one CUDA graph and the host only copies a small int tensor in and the
 codes out. :func:`audio_window` chains several steps on the device (a frame's codes are the
@@ -9,6 +9,9 @@ next step's input), so the host syncs once per window instead of once per frame.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Iterable, Sequence
+
 import torch
 
 from .graphs import bucket_sizes, capture_per_bucket
@@ -16,20 +19,85 @@ from .layers import SlotKVCache, StepInputs, causal_attend
 from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
 
+if TYPE_CHECKING:
+    from .speech_schedule import AudioStep
+
 TTS_TEMPERATURE = (0.1, 0.3, 0.1, 0.3)
 TTS_MIN_KEEP = 3
 
-# Columns of the packed int64 input, one row per stream. ``CALL_FRAMES``: frames already made
-# in the current generate call; end-of-audio is allowed once it reaches ``EOS_AFTER``;
-# ``STEPS_LEFT``: frames the call may still make (its end, the frame limit, or the cache size).
-(ACTIVE, BOS, FRAME0, POSITION, TEXT_LEN, CALL_FRAMES, EOS_AFTER, WARP, SEED, COUNTER, GREEDY,
- STEPS_LEFT) = (0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14)
-PACKED_COLUMNS = 15
+
+@dataclass
+class AudioStepInputs:
+    """Per-row inputs of an audio step: int64 [B] each, ``frame`` [B, num_vq].
+
+    ``active``, ``bos``, ``warp`` and ``greedy`` are 0 or 1. ``call_frames``: frames already made
+    in the current generate call; end-of-audio is allowed once it reaches ``eos_after``;
+    ``steps_left``: frames the call may still make (its end, the frame limit, or the cache size).
+    """
+
+    active: torch.Tensor
+    bos: torch.Tensor
+    frame: torch.Tensor
+    position: torch.Tensor
+    text_len: torch.Tensor
+    call_frames: torch.Tensor
+    eos_after: torch.Tensor
+    warp: torch.Tensor
+    seed: torch.Tensor
+    counter: torch.Tensor
+    greedy: torch.Tensor
+    steps_left: torch.Tensor
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[AudioStep], seeds: Sequence[int], counters: Sequence[int],
+                   greedy: bool, num_vq: int) -> "AudioStepInputs":
+        """The batch of the streams' next steps (as their schedules give them), on the CPU."""
+        def column(values: Iterable[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.long)
+
+        zeros = [0] * num_vq
+        return cls(active=column(1 for _ in steps), bos=column(int(st.bos) for st in steps),
+                   frame=column(v for st in steps for v in (zeros if st.frame is None else st.frame)
+                                ).view(len(steps), num_vq),
+                   position=column(st.position for st in steps),
+                   text_len=column(st.text_len for st in steps),
+                   call_frames=column(st.call_frames for st in steps),
+                   eos_after=column(st.eos_after for st in steps),
+                   warp=column(int(st.apply_warpers) for st in steps), seed=column(seeds),
+                   counter=column(counters), greedy=column(int(greedy) for _ in steps),
+                   steps_left=column(st.steps_left for st in steps))
+
+    def pack(self) -> torch.Tensor:
+        """All fields as one [B, columns] tensor, in field order: one copy moves a whole batch."""
+        rows = self.position.shape[0]
+        return torch.cat([getattr(self, f.name).reshape(rows, -1) for f in fields(self)], dim=1)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, num_vq: int) -> "AudioStepInputs":
+        """Views of the columns of a tensor made by :meth:`pack`."""
+        views, column = {}, 0
+        for f in fields(cls):
+            if f.name == "frame":
+                views[f.name] = packed[:, column:column + num_vq]
+                column += num_vq
+            else:
+                views[f.name] = packed[:, column]
+                column += 1
+        return cls(**views)
+
+    def to(self, device: torch.device) -> "AudioStepInputs":
+        """The same inputs on ``device``, moved by one copy."""
+        return AudioStepInputs.unpack(self.pack().to(device), self.frame.shape[1])
+
+
+def packed_columns(num_vq: int) -> int:
+    """Width of a row made by :meth:`AudioStepInputs.pack`."""
+    return len(fields(AudioStepInputs)) - 1 + num_vq
 
 
 def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor,
                      text_len: torch.Tensor, cfg: TTSConfig) -> torch.Tensor:
-    """[B, T] keys an audio query may see (MINICPMO.md section 8).
+    """[B, T] keys an audio query may see (docs/minicpmo.md, "Attention in the TTS model").
 
     ``limit``: last visible position (causal); ``past``: cache length that decides how much
     reserved text is released; ``text_len``: L of the text mask.
@@ -45,7 +113,7 @@ def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor
     return visible & ~((keys >= hidden_from[:, None]) & (keys <= cfg.audio_bos_position))
 
 
-def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
+def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
                rows: torch.Tensor, contiguous: bool, key_count: int | None = None) -> torch.Tensor:
     """Advance each row one audio frame; returns codes [B, num_vq].
 
@@ -54,64 +122,63 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
     only key 0; their codes are garbage.
     """
     cfg = tts.config
-    batch = packed.shape[0]
-    active = packed[:, ACTIVE].bool()
-    bos = packed[:, BOS].bool()
-    frames = packed[:, FRAME0:FRAME0 + cfg.num_vq]
-    position = packed[:, POSITION]
+    device = x.position.device
+    batch = x.position.shape[0]
+    active = x.active.bool()
+    bos = x.bos.bool()
+    frames = x.frame
+    position = x.position
     bos_ids = torch.full_like(position, cfg.audio_bos_token_id)
     embeds = torch.where(bos[:, None], tts.emb_text(bos_ids), tts.code_embedding(frames))[:, None]
-    keys = torch.arange(key_count or cache.max_positions + 1, device=packed.device)
-    visible = audio_visibility(keys, position, position, packed[:, TEXT_LEN], cfg)
+    keys = torch.arange(key_count or cache.max_positions + 1, device=device)
+    visible = audio_visibility(keys, position, position, x.text_len, cfg)
     visible = torch.where(active[:, None], visible, keys[None, :] == 0)
     write = torch.where(active, position, torch.full_like(position, cache.scratch_position))
     step = StepInputs(rows, position[:, None], write[:, None], visible[:, None, None, :], contiguous)
     hidden = tts(embeds, cache, step)
     logits = tts.code_logits(hidden[:, -1])
     # (0.1, 0.3, 0.1, 0.3) built on device: no host copy may happen inside a CUDA graph
-    codebooks = torch.arange(cfg.num_vq, device=packed.device)
+    codebooks = torch.arange(cfg.num_vq, device=device)
     temperature = torch.where(codebooks % 2 == 0, TTS_TEMPERATURE[0], TTS_TEMPERATURE[1])
     flat = (logits / temperature[None, :, None]).reshape(batch * cfg.num_vq, -1)
-    rows_per_code = lambda column: packed[:, column].repeat_interleave(cfg.num_vq)  # noqa: E731
-    top_p = torch.full((flat.shape[0], 1), cfg.top_p, device=packed.device)
-    top_k = torch.full((flat.shape[0], 1), cfg.top_k, device=packed.device, dtype=torch.long)
+    rows_per_code = lambda values: values.repeat_interleave(cfg.num_vq)  # noqa: E731
+    top_p = torch.full((flat.shape[0], 1), cfg.top_p, device=device)
+    top_k = torch.full((flat.shape[0], 1), cfg.top_k, device=device, dtype=torch.long)
     warped = top_k_filter(top_p_filter(flat, top_p, TTS_MIN_KEEP), top_k, TTS_MIN_KEEP)
-    flat = torch.where(rows_per_code(WARP).bool()[:, None], warped, flat)
-    eos_allowed = rows_per_code(CALL_FRAMES) >= rows_per_code(EOS_AFTER)
+    flat = torch.where(rows_per_code(x.warp).bool()[:, None], warped, flat)
+    eos_allowed = rows_per_code(x.call_frames) >= rows_per_code(x.eos_after)
     eos_column = flat[:, cfg.eos_code]
     flat[:, cfg.eos_code] = torch.where(eos_allowed, eos_column, torch.full_like(eos_column, float("-inf")))
-    codebook = torch.arange(cfg.num_vq, device=packed.device).repeat(batch)
-    codes = sample_or_argmax(flat, rows_per_code(GREEDY).bool(), rows_per_code(SEED) + 1_000_003,
-                             rows_per_code(COUNTER) * 8 + codebook)
+    codebook = torch.arange(cfg.num_vq, device=device).repeat(batch)
+    codes = sample_or_argmax(flat, rows_per_code(x.greedy).bool(), rows_per_code(x.seed) + 1_000_003,
+                             rows_per_code(x.counter) * 8 + codebook)
     return codes.view(batch, cfg.num_vq)
 
 
-def audio_window(tts: SpeechTokenModel, cache: SlotKVCache, packed: torch.Tensor,
+def audio_window(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
                  rows: torch.Tensor, contiguous: bool, steps: int,
                  key_count: int | None = None) -> torch.Tensor:
     """Up to ``steps`` audio steps per row without the host: returns [steps, B, num_vq + 1],
     each frame's codes and, in the last column, 1 where the row really made that frame.
 
     After each step a row feeds its codes back as the next input; it stops (turns inactive,
-    writing only to the scratch position) once its call has no ``STEPS_LEFT`` or it sampled the
-    end-of-audio code. The per-row rules are those of :class:`~.schedule.SpeechSchedule`, which
+    writing only to the scratch position) once its call has no ``steps_left`` or it sampled the
+    end-of-audio code. The per-row rules are those of :class:`~.speech_schedule.SpeechSchedule`, which
     replays the made frames on the host afterwards.
     """
     eos_code = tts.config.eos_code
     frames = []
     for _ in range(steps):
-        made = packed[:, ACTIVE]
-        codes = audio_step(tts, cache, packed, rows, contiguous, key_count)
+        made = x.active
+        codes = audio_step(tts, cache, x, rows, contiguous, key_count)
         frames.append(torch.cat([codes, made[:, None]], dim=1))
-        ended = (codes == eos_code).any(dim=1) & (packed[:, CALL_FRAMES] >= packed[:, EOS_AFTER])
-        still = (made.bool() & (packed[:, STEPS_LEFT] > 1) & ~ended).long()
-        one = torch.ones_like(made)
-        packed = torch.cat([
-            still[:, None], torch.zeros_like(made)[:, None], codes,
-            (packed[:, POSITION] + 1)[:, None], packed[:, TEXT_LEN:TEXT_LEN + 1],
-            (packed[:, CALL_FRAMES] + 1)[:, None], packed[:, EOS_AFTER:EOS_AFTER + 1],
-            one[:, None], packed[:, SEED:SEED + 1], (packed[:, COUNTER] + 1)[:, None],
-            packed[:, GREEDY:GREEDY + 1], (packed[:, STEPS_LEFT] - 1)[:, None]], dim=1)
+        ended = (codes == eos_code).any(dim=1) & (x.call_frames >= x.eos_after)
+        still = (made.bool() & (x.steps_left > 1) & ~ended).long()
+        x = AudioStepInputs(active=still, bos=torch.zeros_like(made), frame=codes,
+                            position=x.position + 1, text_len=x.text_len,
+                            call_frames=x.call_frames + 1, eos_after=x.eos_after,
+                            warp=torch.ones_like(made), seed=x.seed, counter=x.counter + 1,
+                            greedy=x.greedy, steps_left=x.steps_left - 1)
     return torch.stack(frames)
 
 
@@ -122,9 +189,9 @@ def key_count_buckets(total: int) -> list[int]:
     return sorted({s for s in spans if s < total} | {total})
 
 
-def attention_span(packed_rows: torch.Tensor, steps: int, spans: list[int]) -> int:
+def attention_span(x: AudioStepInputs, steps: int, spans: list[int]) -> int:
     """The shortest of ``spans`` that holds every row's last position in a window of ``steps``."""
-    last = int(packed_rows[:, POSITION].max()) + steps - 1
+    last = int(x.position.max()) + steps - 1
     return next((span for span in spans if span > last), spans[-1])
 
 
@@ -143,8 +210,10 @@ class AudioStepGraphs:
         self.cache = cache
         self.steps = steps
         slots = cache.num_slots
-        self.packed = torch.zeros(slots, PACKED_COLUMNS, device=device, dtype=torch.long)
-        self.host = torch.zeros(slots, PACKED_COLUMNS, dtype=torch.long).pin_memory()
+        self.num_vq = tts.config.num_vq
+        columns = packed_columns(self.num_vq)
+        self.packed = torch.zeros(slots, columns, device=device, dtype=torch.long)
+        self.host = torch.zeros(slots, columns, dtype=torch.long).pin_memory()
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
         self.spans = key_count_buckets(cache.max_positions + 1)
@@ -154,18 +223,19 @@ class AudioStepGraphs:
         keyed = [(b, span) for b in self.buckets for span in self.spans]
         graphs = capture_per_bucket(
             list(range(len(keyed))),
-            lambda i: audio_window(self.tts, self.cache, self.packed[:keyed[i][0]],
+            lambda i: audio_window(self.tts, self.cache,
+                                   AudioStepInputs.unpack(self.packed[:keyed[i][0]], self.num_vq),
                                    self.rows[:keyed[i][0]], True, self.steps, keyed[i][1]))
         self.graphs = {keyed[i]: graph for i, graph in graphs.items()}
 
-    def run(self, slots: list[int], packed_rows: torch.Tensor) -> torch.Tensor:
-        """``packed_rows`` [B, columns] (CPU) for streams in ``slots``; returns the window
+    def run(self, slots: list[int], x: AudioStepInputs) -> torch.Tensor:
+        """Inputs ``x`` (CPU) of the streams in ``slots``; returns the window
         [steps, B, vq + 1] (CPU), as :func:`audio_window`."""
         bucket = next(b for b in self.buckets if b > max(slots))
-        span = attention_span(packed_rows, self.steps, self.spans)
+        span = attention_span(x, self.steps, self.spans)
         self.host[:bucket].zero_()
         index = torch.tensor(slots)
-        self.host[index] = packed_rows
+        self.host[index] = x.pack()
         self.packed[:bucket].copy_(self.host[:bucket], non_blocking=True)
         graph, out = self.graphs[(bucket, span)]
         graph.replay()

@@ -1,4 +1,4 @@
-"""Text handling of the MiniCPM-o speech path (MINICPMO.md sections 3, 5, 6).
+"""Text handling of the MiniCPM-o speech path (docs/minicpmo.md, "Prompts" and "Text pieces").
 
 Pure functions with no model state: prompt building, cutting text into the pieces an LLM would
 stream, digit normalisation, sentence ends and the TTS text layout.
@@ -117,3 +117,56 @@ def cut_into_pieces(ids: Sequence[int], decode: Callable[[Sequence[int]], str],
 def has_speakable_text(text: str) -> bool:
     """True when the text holds at least one letter or digit of any script."""
     return any(ch.isalnum() for ch in text)
+
+
+class TextFeed:
+    """Read-mode text that arrives in parts, cut into the pieces :func:`cut_into_pieces` gives
+    for the whole text.
+
+    Text is tokenized only up to its last space that follows a non-space character: a
+    byte-level BPE tokenizer never merges across that boundary, so the ids of the parts joined
+    equal the ids of the whole. The trailing (possibly incomplete) word waits for more text or
+    :meth:`finish`; ids wait until a whole piece of them is there.
+    """
+
+    def __init__(self, tokenize: Callable[[str], list[int]],
+                 decode: Callable[[Sequence[int]], str], piece_tokens: int = PIECE_TOKENS) -> None:
+        self._tokenize = tokenize
+        self._decoder = PieceDecoder(decode, terminator_ids=())
+        self._piece_tokens = piece_tokens
+        self._text = ""  # received, not yet tokenized
+        self._ids: list[int] = []  # tokenized, not yet in a piece
+        self.speakable = False  # some text so far holds a letter or a digit
+
+    def push(self, text: str) -> list[str]:
+        """Add text; returns the pieces that are now complete."""
+        self._text += text
+        self.speakable = self.speakable or has_speakable_text(text)
+        cut = _last_word_boundary(self._text)
+        if cut:
+            self._ids += self._tokenize(self._text[:cut])
+            self._text = self._text[cut:]
+        return self._pieces(len(self._ids) - len(self._ids) % self._piece_tokens)
+
+    def finish(self) -> list[str]:
+        """The text is complete: its remaining pieces."""
+        if self._text:
+            self._ids += self._tokenize(self._text)
+            self._text = ""
+        pieces = self._pieces(len(self._ids))
+        tail = self._decoder.flush()
+        return pieces + [tail] if tail else pieces
+
+    def _pieces(self, count: int) -> list[str]:
+        step = self._piece_tokens
+        pieces = [self._decoder.push(self._ids[i:i + step]) for i in range(0, count, step)]
+        self._ids = self._ids[count:]
+        return pieces
+
+
+def _last_word_boundary(text: str) -> int:
+    """Index of the last space that follows a non-space character (0 if none)."""
+    for index in range(len(text) - 1, 0, -1):
+        if text[index] == " " and not text[index - 1].isspace():
+            return index
+    return 0

@@ -15,10 +15,10 @@ from serve_app.engines.minicpmo.codec import (
     OVERLAP_SAMPLES,
     SAMPLES_PER_CODE_FRAME,
     SpeechDecoder,
-    StreamingAudioJoiner,
     dvae_decode_keys,
     vocos_decode_keys,
 )
+from serve_app.engines.minicpmo.output import StreamingAudioJoiner
 from tests.golden.checkpoint import load_expected
 
 # Upstream carries the last 50 frames of a segment into the next one (``aid_len``).

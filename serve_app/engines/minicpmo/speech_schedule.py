@@ -1,4 +1,5 @@
-"""Per-stream control of the TTS stage: MINICPMO.md sections 6-8, one request at a time.
+"""Per-stream state machine of the TTS stage, one request at a time (docs/minicpmo.md,
+"The streaming schedule").
 
 A :class:`SpeechSchedule` holds no tensors. It consumes text pieces and generated frames and
 tells the engine what work the stream needs next (a text prefill, a carried-audio prefill, audio
@@ -12,13 +13,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
+from .codec import CONTEXT_FRAMES
 from .modeling import TTSConfig
 from .text import TTS_EOS_MARK, detect_language, sentence_end, spell_digits
 
 SEGMENT_TEXT_LIMIT_MARGIN = 180  # a new segment may start once L >= reserved - 180 (= 120)
 CARRY_TEXT_TOKENS = 5
 CARRY_FRAMES = 50
-DECODE_CONTEXT_FRAMES = 4
 MIN_FRAMES_PER_CALL = 10  # end-of-audio is forbidden for the first 10 frames of every call
 
 
@@ -69,10 +70,6 @@ class AudioStep:
     eos_after: int
     steps_left: int
     apply_warpers: bool
-
-    @property
-    def eos_allowed(self) -> bool:
-        return self.call_frames >= self.eos_after
 
 
 @dataclass
@@ -251,7 +248,7 @@ class SpeechSchedule:
 
     def _decode_job(self, last: bool) -> list[object]:
         self.call_lengths.append(len(self.segment_frames))
-        start = max(self.decoded_upto - DECODE_CONTEXT_FRAMES, 0)
+        start = max(self.decoded_upto - CONTEXT_FRAMES, 0)
         frames = self.segment_frames[start:]
         segment_start = self.segment_started_fresh
         self.segment_started_fresh = False

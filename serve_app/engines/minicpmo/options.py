@@ -1,0 +1,72 @@
+"""The MiniCPM-o engine's configuration (``engine_options`` in serve_config.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layers import ONE_QUERY_KERNELS
+from .loader import DEFAULT_MODEL_ID
+from .quantization import check_mode as check_quantization
+
+MAX_TEXT_CHARS = 4096  # longest text one request may speak (streamed input counts all deltas)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine configuration (``engine_options`` in serve_config.yaml)."""
+
+    model: str = DEFAULT_MODEL_ID
+    revision: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_slots: int = 64
+    max_chat_slots: int = 32
+    max_queued: int = 256
+    tts_max_positions: int = 1536
+    llm_max_positions: int = 2048
+    chunk_frames: int = 25
+    tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
+    max_segment_frames: int = 2048
+    voices: tuple[str, ...] = ("default",)
+    served_model_name: str = "MiniCPM-o-2_6"  # what /v1/models shows (never a local path)
+    keep_traces: bool = False  # tests: keep each finished stream's codes (see ``trace``)
+    cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
+    profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
+    llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
+    steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
+    # a divisor of chunk_frames keeps every generate call aligned to engine steps
+    one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul (layers.py)
+    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
+    admission_interval_steps: int = 1  # while streams run, admit every N engine steps
+    quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
+    fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
+
+    def __post_init__(self) -> None:
+        check_quantization(self.quantization)
+        if self.one_query_attention not in ONE_QUERY_KERNELS:
+            raise ValueError(f"one_query_attention must be one of {ONE_QUERY_KERNELS}")
+        if self.steps_per_sync < 1:
+            raise ValueError("steps_per_sync must be at least 1")
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, object]) -> "EngineOptions":
+        """Options from a plain mapping (serve_config.yaml); unknown keys are an error."""
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        if "voices" in raw:
+            raw = dict(raw, voices=tuple(raw["voices"]))  # type: ignore[arg-type]
+        return cls(**raw)  # type: ignore[arg-type]
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float32": torch.float32}[self.dtype]

@@ -1,0 +1,244 @@
+"""The model runner: the engine's device work, tensors in and tensors out.
+
+It owns the KV caches and a per-slot table of speaker embeddings, turns host-side work items
+into batched step inputs, and runs each step. :class:`ModelRunner` runs every step eagerly;
+:class:`GraphModelRunner` replays captured CUDA graphs where it can. :func:`create_runner`
+makes that choice once, when the engine starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .audio_step import (
+    PREFILL_TOKENS,
+    AudioStepGraphs,
+    AudioStepInputs,
+    TextPrefillGraphs,
+    attention_span,
+    audio_visibility,
+    audio_window,
+    key_count_buckets,
+    text_prefill_step,
+)
+from .codec import CONTEXT_FRAMES
+from .decode_graphs import MultiLengthDecodeGraphs
+from .layers import SlotKVCache, StepInputs, fuse_projections, set_one_query_attention
+from .llm_step import (
+    LLMPrefillGraphs,
+    LLMStepGraphs,
+    LLMStepInputs,
+    llm_decode_step,
+    llm_prefill,
+    sample_next_token,
+)
+from .loader import LoadedModel
+from .options import EngineOptions
+from .speech_schedule import TextPrefill
+
+logger = logging.getLogger(__name__)
+
+PREFILL_BATCH = 8  # admission prefills this many prompts per pass
+
+
+class ModelRunner:
+    """Eager steps over the slot caches (CPU, or a GPU with ``cuda_graphs`` off)."""
+
+    def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
+        self.model = model
+        self.device = next(model.tts.parameters()).device
+        self.dtype = next(model.tts.parameters()).dtype
+        cfg = model.config
+        self.tts_cache = SlotKVCache(cfg.tts_shape(), options.max_slots, options.tts_max_positions,
+                                     self.device, self.dtype)
+        self.llm_cache = SlotKVCache(cfg.llm, options.max_chat_slots, options.llm_max_positions,
+                                     self.device, self.dtype)
+        # written by the admission prefill, read by every text prefill of the slot's stream
+        self.speakers = torch.zeros(options.max_slots, cfg.tts.hidden_size, device=self.device,
+                                    dtype=self.dtype)
+        self.window = options.steps_per_sync
+        self.spans = key_count_buckets(options.tts_max_positions + 1)
+        self.decoder = model.decoder
+        if options.fuse_projections:
+            fuse_projections(model.tts)
+            fuse_projections(model.llm)
+        set_one_query_attention(model.tts, options.one_query_attention)
+        set_one_query_attention(model.llm, options.one_query_attention)
+
+    def clear_tts_slot(self, slot: int) -> None:
+        """Forget the text part of a slot's TTS cache (a new stream or a new segment)."""
+        self.tts_cache.clear_slot(slot, upto=self.model.config.tts.condition_length)
+
+    # ---- LLM ---------------------------------------------------------------------------------
+
+    def prefill_prompts(self, prompts: Sequence[list[int]], slots: Sequence[int], spk_id: int,
+                        chat_rows: Sequence[int], llm_slots: Sequence[int]) -> torch.Tensor | None:
+        """One LLM prefill of up to :data:`PREFILL_BATCH` prompts: row i's speaker embedding (the
+        hidden state at its last ``spk_id``) goes to TTS slot ``slots[i]``; rows ``chat_rows``
+        keep their keys and values in LLM slots ``llm_slots`` and get their next-token logits."""
+        longest = max(len(p) for p in prompts)
+        batch = len(prompts)
+        ids = torch.zeros(batch, longest, dtype=torch.long)
+        valid = torch.zeros(batch, longest, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+            valid[i, : len(p)] = True
+        hidden, cache = self.llm_prefill(ids, valid)
+        every = torch.arange(batch, device=self.device)
+        spk_index = torch.tensor([max(i for i, t in enumerate(p) if t == spk_id) for p in prompts],
+                                 device=self.device)
+        speakers = self.model.tts.speaker_embedding(hidden[every, spk_index])
+        self.speakers[torch.tensor(list(slots), device=self.device)] = speakers
+        if not chat_rows:
+            return None
+        # the chat prompts stay in their LLM slots for decoding: one copy per layer for all of
+        # them (positions past a prompt's end are rewritten by decoding before any query sees them)
+        rows = torch.tensor(list(chat_rows), device=self.device)
+        targets = torch.tensor(list(llm_slots), device=self.device)
+        longest_chat = max(len(prompts[i]) for i in chat_rows)
+        for source, target in ((cache.keys, self.llm_cache.keys), (cache.values, self.llm_cache.values)):
+            for layer_source, layer_target in zip(source, target):
+                layer_target[targets, :, :longest_chat] = layer_source[rows, :, :longest_chat]
+        last = torch.tensor([len(prompts[i]) - 1 for i in chat_rows], device=self.device)
+        return self.model.llm.logits(hidden[rows, last])
+
+    def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, SlotKVCache]:
+        """Hidden states [B, L, H] of prompts ``ids`` [B, L] (CPU), and the cache holding them."""
+        batch, longest = ids.shape
+        cache = SlotKVCache(self.model.config.llm, batch, longest, self.device, self.dtype)
+        hidden = llm_prefill(self.model.llm, cache, ids.to(self.device), valid.to(self.device),
+                             torch.arange(batch, device=self.device), True)
+        return hidden, cache
+
+    def sample_first_tokens(self, logits: torch.Tensor, inputs: LLMStepInputs) -> list[int]:
+        """Sample from prefill logits with the decode step's processors."""
+        return sample_next_token(logits, self._on_device(inputs)).tolist()
+
+    def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
+        """One decode step of the chat streams in LLM ``slots``; their next tokens."""
+        tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
+                                 torch.tensor(slots, device=self.device), False).cpu()
+        return tokens.tolist()
+
+    def _on_device(self, inputs: LLMStepInputs) -> LLMStepInputs:
+        return LLMStepInputs(**{f: getattr(inputs, f).to(self.device)
+                                for f in LLMStepInputs.__dataclass_fields__})
+
+    # ---- TTS ---------------------------------------------------------------------------------
+
+    def text_prefill(self, items: Sequence[tuple[int, TextPrefill]]) -> None:
+        """Batched text prefills (TTS slot, work item) in passes of :data:`PREFILL_TOKENS` tokens
+        (causal, so a long prefill split in passes writes exactly what one pass would)."""
+        cfg = self.model.config.tts
+        width = PREFILL_TOKENS
+        passes = max((len(item.token_ids) + width - 1) // width for _, item in items)
+        for index in range(passes):
+            batch = [(slot, item) for slot, item in items if len(item.token_ids) > index * width]
+            ids = np.zeros((len(batch), width), dtype=np.int64)
+            positions = np.zeros((len(batch), width), dtype=np.int64)
+            valid = np.zeros((len(batch), width), dtype=bool)
+            speaker_at = np.zeros((len(batch), width), dtype=bool)
+            for row, (_, item) in enumerate(batch):
+                part = item.token_ids[index * width:(index + 1) * width]
+                start = item.start + index * width
+                ids[row, :len(part)] = part
+                positions[row, :len(part)] = np.arange(start, start + len(part))
+                valid[row, :len(part)] = True
+                if item.with_speaker:
+                    speaker_at[row, :len(part)] = np.asarray(part) == cfg.spk_emb_token_id
+            slots = [slot for slot, _ in batch]
+            speaker = self.speakers[torch.tensor(slots, device=self.device)]
+            self._text_prefill_pass(slots, *(torch.from_numpy(a) for a in (ids, positions, valid)),
+                                    speaker, torch.from_numpy(speaker_at))
+
+    def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
+                           valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
+        ids_t, positions_t, valid_t, speaker_at_t = (t.to(self.device)
+                                                     for t in (ids, positions, valid, speaker_at))
+        text_prefill_step(self.model.tts, self.tts_cache, ids_t, positions_t, valid_t, speaker,
+                          speaker_at_t, torch.tensor(slots, device=self.device), False)
+
+    def carry_prefill(self, slot: int, frames: list[list[int]], text_len: int) -> None:
+        """``[Ptts]`` and the carried frames (all but the last) into a new segment's cache."""
+        tts = self.model.tts
+        cfg = self.model.config.tts
+        codes = torch.tensor(frames[:-1], dtype=torch.long, device=self.device).view(-1, cfg.num_vq)
+        bos = tts.emb_text(torch.tensor([cfg.audio_bos_token_id], device=self.device))
+        embeds = torch.cat([bos, tts.code_embedding(codes)], dim=0)[None]
+        count = embeds.shape[1]
+        positions = torch.arange(cfg.audio_bos_position, cfg.audio_bos_position + count,
+                                 device=self.device)[None]
+        keys = torch.arange(self.tts_cache.max_positions + 1, device=self.device)
+        row = audio_visibility(keys, torch.tensor([cfg.audio_bos_position + count - 1], device=self.device),
+                               torch.tensor([cfg.audio_bos_position], device=self.device),
+                               torch.tensor([text_len], device=self.device), cfg)
+        attend = row[:, None, None, :].expand(1, 1, count, row.shape[-1])
+        rows = torch.tensor([slot], device=self.device)
+        tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
+
+    def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
+        """Up to ``steps_per_sync`` audio frames of the streams in TTS ``slots``: [steps, B,
+        num_vq + 1] on the CPU (see :func:`~.audio_step.audio_window`)."""
+        rows = torch.tensor(slots, device=self.device)
+        span = attention_span(inputs, self.window, self.spans)
+        return audio_window(self.model.tts, self.tts_cache, inputs.to(self.device), rows, False,
+                            self.window, span).cpu()
+
+    def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
+        """DVAE + Vocos: each piece's code frames to float32 audio (one device-to-host copy)."""
+        waves = self.decoder.decode([torch.tensor(f, dtype=torch.long) for f in frames])
+        offsets = np.cumsum([0] + [len(w) for w in waves])
+        flat = torch.cat([w.float() for w in waves]).cpu().numpy()
+        return [flat[offsets[i]:offsets[i + 1]] for i in range(len(waves))]
+
+
+class GraphModelRunner(ModelRunner):
+    """The same steps replayed as CUDA graphs (captured at start, per batch bucket); a prefill
+    batch too large for its graphs and decode lengths without one run eagerly."""
+
+    def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
+        super().__init__(model, options, penalty_width)
+        self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window)
+        self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device)
+        self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
+        self.llm_prefill_graphs = LLMPrefillGraphs(model.llm, model.config.llm, self.device,
+                                                   self.dtype)
+        self.audio_graphs.capture_all()
+        self.llm_prefill_graphs.capture_all()
+        self.text_prefill_graphs.capture_all()
+        self.llm_graphs.capture_all()
+        decode_graphs = MultiLengthDecodeGraphs(
+            model.decoder, (options.chunk_frames, options.chunk_frames + CONTEXT_FRAMES),
+            min(options.max_slots, 64))
+        try:
+            decode_graphs.capture_all()
+            self.decoder = decode_graphs
+        except RuntimeError:
+            logger.exception("decode could not be captured as a CUDA graph; decoding eagerly")
+
+    def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, SlotKVCache]:
+        graphs = self.llm_prefill_graphs
+        if not graphs.fits(*ids.shape):
+            return super().llm_prefill(ids, valid)
+        return graphs.run(ids, valid), graphs.cache
+
+    def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
+        return self.llm_graphs.run(slots, inputs).tolist()
+
+    def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
+                           valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
+        self.text_prefill_graphs.run(slots, ids, positions, valid, speaker, speaker_at)
+
+    def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
+        return self.audio_graphs.run(slots, inputs)
+
+
+def create_runner(model: LoadedModel, options: EngineOptions, penalty_width: int) -> ModelRunner:
+    """CUDA graphs when they are enabled and the model is on a GPU; eager otherwise."""
+    on_gpu = next(model.tts.parameters()).device.type == "cuda"
+    runner = GraphModelRunner if options.cuda_graphs and on_gpu else ModelRunner
+    return runner(model, options, penalty_width)

@@ -1,0 +1,193 @@
+"""Who runs: the admission queue, the running streams, their TTS and LLM slots, and aborts.
+
+Streams are plain records (no tensors: per-slot tensors live in the runner, indexed by slot).
+Callers' threads (submit, abort, stats) and the step thread meet here under one lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import threading
+from dataclasses import dataclass, field
+
+from ..base import EngineOverloadedError, EngineStats, InvalidRequestError, SpeechRequest
+from ..streamed_text import StreamedText, unknown_stream
+from .output import StreamingAudioJoiner
+from .speech_schedule import SpeechSchedule
+from .text import PieceDecoder, TextFeed
+
+
+@dataclass
+class StreamPlan:
+    """What a stream speaks: a prompt for the speaker embedding and either text pieces (read
+    mode: all of them, or with ``text_feed`` the first ones of streamed text) or LLM decoding
+    (chat mode)."""
+
+    request: SpeechRequest
+    prompt: str
+    pieces: list[str] | None
+    text_feed: TextFeed | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.pieces is None
+
+
+@dataclass
+class Stream:
+    """One admitted request's progress; ``slot``/``llm_slot`` are -1 while it holds none."""
+
+    plan: StreamPlan
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    submitted_at: float
+    fed_text: StreamedText | None = None  # streamed input: written by callers under the lock
+    schedule: SpeechSchedule | None = None
+    slot: int = -1
+    llm_slot: int = -1
+    pieces: collections.deque = field(default_factory=collections.deque)  # text the TTS has not read
+    text_done: bool = False  # no piece will follow those in ``pieces``
+    # chat mode: the LLM's side
+    llm_len: int = 0
+    next_token: int | None = None
+    group: list[int] = field(default_factory=list)
+    penalty_window: list[int] = field(default_factory=list)
+    piece_decoder: PieceDecoder | None = None
+    llm_tokens: int = 0
+    # output
+    tts_steps: int = 0
+    joiner: StreamingAudioJoiner | None = None
+    first_audio_at: float | None = None
+    chunks_sent: int = 0
+    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.request.request_id
+
+
+class Scheduler:
+    """The queue and the slots. Slots are handed out lowest first (heaps), so busy slots stay
+    packed at the low end, where the CUDA graphs' batch buckets start."""
+
+    def __init__(self, max_slots: int, max_chat_slots: int, max_queued: int,
+                 admission_interval_steps: int) -> None:
+        self.lock = threading.Lock()
+        self.pending: collections.deque[Stream] = collections.deque()
+        self.active: dict[str, Stream] = {}
+        self._streamed: dict[str, Stream] = {}  # queued or running streams that take fed text
+        self._aborts: set[str] = set()
+        self._free_slots = list(range(max_slots))
+        self._free_llm_slots = list(range(max_chat_slots))
+        self._max_queued = max_queued
+        self._admission_interval = max(admission_interval_steps, 1)
+        self._stats = EngineStats(max_slots=max_slots)
+
+    # ---- callers' threads ------------------------------------------------------------------
+
+    def enqueue(self, streams: list[Stream]) -> None:
+        """Queue new streams, all or none: raises when the queue is full or an id is taken."""
+        with self.lock:
+            if len(self.pending) + len(streams) > self._max_queued:
+                raise EngineOverloadedError("engine queue is full")
+            for stream in streams:
+                if stream.request_id in self.active or any(
+                        s.request_id == stream.request_id for s in self.pending):
+                    raise InvalidRequestError("duplicate request id", "request_id")
+            self.pending.extend(streams)
+            self._streamed.update((s.request_id, s) for s in streams if s.fed_text is not None)
+
+    def feed(self, request_id: str, delta: str, done: bool) -> None:
+        """Hand text to a streamed request (see :meth:`Engine.feed_text` for the errors)."""
+        with self.lock:
+            stream = self._streamed.get(request_id)
+            if stream is None:
+                raise unknown_stream(request_id)
+            stream.fed_text.append(delta, done)
+
+    def take_fed_text(self, stream: Stream) -> tuple[str, bool]:
+        with self.lock:
+            return stream.fed_text.take()
+
+    def request_abort(self, request_id: str) -> None:
+        with self.lock:
+            self._aborts.add(request_id)
+            self._streamed.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        with self.lock:
+            self._stats.active_streams = len(self.active)
+            self._stats.queued_streams = len(self.pending)
+            return EngineStats(**self._stats.as_dict())
+
+    # ---- step thread -----------------------------------------------------------------------
+
+    def idle(self) -> bool:
+        return not self.active and not self.pending and not self._aborts
+
+    def running(self) -> list[Stream]:
+        return list(self.active.values())
+
+    def take_aborted(self) -> list[Stream]:
+        """Streams aborted since the last step, out of the queue or released from their slots."""
+        with self.lock:
+            aborts, self._aborts = self._aborts, set()
+            taken = [s for s in self.pending if s.request_id in aborts]
+            self.pending = collections.deque(s for s in self.pending if s.request_id not in aborts)
+            self._stats.aborted += len(taken)
+        for request_id in aborts:
+            stream = self.active.get(request_id)
+            if stream is not None:
+                self.release(stream)
+                taken.append(stream)
+                with self.lock:
+                    self._stats.aborted += 1
+        return taken
+
+    def admit(self, step: int) -> list[Stream]:
+        """Queued streams that get slots now, in order (a chat stream also needs an LLM slot)."""
+        if self.active and step % self._admission_interval:
+            return []  # batch admissions: one LLM prefill per few steps instead of one per step
+        admitted: list[Stream] = []
+        with self.lock:
+            while self.pending and self._free_slots:
+                stream = self.pending[0]
+                if stream.plan.is_chat and not self._free_llm_slots:
+                    break
+                self.pending.popleft()
+                stream.slot = heapq.heappop(self._free_slots)
+                if stream.plan.is_chat:
+                    stream.llm_slot = heapq.heappop(self._free_llm_slots)
+                admitted.append(stream)
+                self.active[stream.request_id] = stream
+        return admitted
+
+    def free_llm_slot(self, stream: Stream) -> None:
+        with self.lock:
+            if stream.llm_slot >= 0:
+                heapq.heappush(self._free_llm_slots, stream.llm_slot)
+        stream.llm_slot = -1
+
+    def release(self, stream: Stream) -> None:
+        """The stream leaves: its slots are free for the next admission."""
+        self.active.pop(stream.request_id, None)
+        with self.lock:
+            self._streamed.pop(stream.request_id, None)
+            if stream.slot >= 0:
+                heapq.heappush(self._free_slots, stream.slot)
+            if stream.llm_slot >= 0:
+                heapq.heappush(self._free_llm_slots, stream.llm_slot)
+        stream.slot = stream.llm_slot = -1
+
+    def count(self, completed: int = 0, failed: int = 0) -> None:
+        with self.lock:
+            self._stats.completed += completed
+            self._stats.failed += failed
+
+    def count_step(self, batch_size: int) -> None:
+        with self.lock:
+            self._stats.steps += 1
+            self._stats.last_batch_size = batch_size
+            self._stats.max_batch_size_seen = max(self._stats.max_batch_size_seen, batch_size)

@@ -1,0 +1,316 @@
+"""The engine's step thread: every step admits, runs and emits for all streams together.
+
+1. admit: end aborted streams; give queued ones slots; one batched LLM prefill gives each its
+   speaker embedding (chat streams keep their prompt in an LLM slot and sample a first token);
+2. run: chat streams decode text (3 tokens per piece); each stream's
+   :class:`~.speech_schedule.SpeechSchedule` turns its pieces into work; batched TTS text
+   prefills, then one batched window of audio steps for every generating stream;
+3. emit: batched DVAE + Vocos decode of the generate calls that ended; audio that can no longer
+   change goes to its caller at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from ..base import EngineError, RequestAbortedError
+from ..faults import FaultInjection, crash_process
+from .audio_step import AudioStepInputs
+from .chat import ChatText
+from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from .loader import LoadedModel
+from .options import EngineOptions
+from .output import StreamingAudioJoiner, emit, join_decoded, send
+from .runner import PREFILL_BATCH, ModelRunner
+from .scheduler import Scheduler, Stream
+from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
+
+logger = logging.getLogger(__name__)
+
+
+class StepLoop:
+    """Owns the step thread; the only code that touches running streams and the runner."""
+
+    def __init__(self, model: LoadedModel, options: EngineOptions, scheduler: Scheduler,
+                 runner: ModelRunner, chat: ChatText, spk_id: int, gen_prompt_ids: list[int]) -> None:
+        self.model = model
+        self.options = options
+        self.scheduler = scheduler
+        self.runner = runner
+        self.chat = chat
+        self._spk_id = spk_id
+        self._gen_prompt_ids = gen_prompt_ids
+        self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
+        self._traces: dict[str, SpeechSchedule] = {}
+        self._phase_s: dict[str, float] = collections.defaultdict(float)
+        self._faults = FaultInjection.from_options(options.fault_injection)
+        self._step_counter = itertools.count()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def trace(self, request_id: str) -> SpeechSchedule | None:
+        return self._traces.get(request_id)
+
+    def phase_seconds(self) -> dict[str, float]:
+        return dict(self._phase_s)
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            if self.scheduler.idle():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as error:  # one bad step must not kill the loop; fail its streams
+                logger.exception("engine step failed")
+                for stream in self.scheduler.running():
+                    self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
+
+    def _phase(self, name: str, started: float) -> float:
+        """Account the time since ``started`` to phase ``name`` (synchronising when profiling)."""
+        if not self.options.profile_phases:
+            return started
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self._phase_s[name] += now - started
+        return now
+
+    def _step(self) -> None:
+        t = time.perf_counter()
+        self._end_aborted()
+        if self._faults is not None:
+            self._inject_faults()
+        self._admit(next(self._step_counter))
+        t = self._phase("admit_prefill", t)
+        self._decode_chat_text()
+        t = self._phase("llm_decode", t)
+        self._take_fed_text()
+        prefills = [work for stream in self.scheduler.running() for work in self._read_text(stream)]
+        t = self._phase("schedule", t)
+        self._run_tts_prefills(prefills)
+        t = self._phase("tts_prefill", t)
+        generating = [s for s in self.scheduler.running()
+                      if s.schedule is not None and s.schedule.phase is Phase.GENERATING]
+        decode_jobs, follow_up = self._audio_steps(generating) if generating else ([], [])
+        t = self._phase("tts_step", t)
+        self._run_tts_prefills(follow_up)
+        t = self._phase("tts_prefill", t)
+        self._decode(decode_jobs)
+        for stream in self.scheduler.running():
+            if stream.schedule is not None and stream.schedule.phase is Phase.DONE:
+                self._complete(stream)
+        self._phase("decode_emit", t)
+        self.scheduler.count_step(len(generating))
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _admit(self, step: int) -> None:
+        admitted = self.scheduler.admit(step)
+        if not admitted:
+            return
+        for stream in admitted:
+            self.runner.clear_tts_slot(stream.slot)
+        try:
+            self._prefill(admitted)
+        except Exception as error:
+            logger.exception("prefill failed")
+            for stream in admitted:
+                self._fail(stream, EngineError(f"prefill failed: {type(error).__name__}"))
+            return
+        for stream in admitted:
+            self._init_schedule(stream)
+
+    def _prefill(self, streams: list[Stream]) -> None:
+        """Prefill the prompts of newly admitted streams, :data:`PREFILL_BATCH` per pass."""
+        tok = self.model.tokenizer
+        prompts = [tok(s.plan.prompt, add_special_tokens=False)["input_ids"] + self._gen_prompt_ids
+                   for s in streams]
+        for start in range(0, len(streams), PREFILL_BATCH):
+            part = slice(start, start + PREFILL_BATCH)
+            self._prefill_pass(streams[part], prompts[part])
+
+    def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]]) -> None:
+        chat_rows = [i for i, s in enumerate(streams) if s.plan.is_chat]
+        logits = self.runner.prefill_prompts(prompts, [s.slot for s in streams], self._spk_id,
+                                             chat_rows, [streams[i].llm_slot for i in chat_rows])
+        if logits is None:
+            return
+        chat_streams = [streams[i] for i in chat_rows]
+        for i, stream in zip(chat_rows, chat_streams):
+            self.chat.start(stream, len(prompts[i]))
+        tokens = self.runner.sample_first_tokens(logits, self.chat.inputs(chat_streams))
+        for stream, token in zip(chat_streams, tokens):
+            self._accept_token(stream, token)
+
+    def _init_schedule(self, stream: Stream) -> None:
+        request = stream.plan.request
+        lengths = request.lengths
+        frame_limit = lengths.audio_frames
+        if request.max_audio_s is not None:
+            cap = int(request.max_audio_s * SAMPLE_RATE_HZ / SAMPLES_PER_CODE_FRAME)
+            frame_limit = cap if frame_limit is None else min(frame_limit, cap)
+        tokenizer = self.model.tts_tokenizer
+        stream.schedule = SpeechSchedule(
+            config=self.model.config.tts,
+            tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            decode_tokens=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+            chunk_frames=self.options.chunk_frames,
+            max_segment_frames=self.options.max_segment_frames,
+            max_positions=self.options.tts_max_positions,
+            ignore_eos=lengths.ignore_eos or lengths.audio_frames is not None,
+            total_frame_limit=frame_limit,
+            stts_id=self._stts_id)
+        stream.joiner = StreamingAudioJoiner()
+        if not stream.plan.is_chat:
+            stream.pieces.extend(stream.plan.pieces)
+            stream.text_done = stream.plan.text_feed is None
+
+    # ---- run ---------------------------------------------------------------------------------
+
+    def _decode_chat_text(self) -> None:
+        """One batched LLM step for every chat stream below its lookahead; more steps (up to
+        ``steps_per_sync``) while a stream's speech waits for its next piece."""
+        for _ in range(self.options.steps_per_sync):
+            streams = [s for s in self.scheduler.running()
+                       if s.plan.is_chat and not s.text_done and s.llm_slot >= 0
+                       and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+            if not streams:
+                return
+            tokens = self.runner.llm_step([s.llm_slot for s in streams], self.chat.inputs(streams))
+            for stream in streams:
+                stream.llm_len += 1
+            for stream, token in zip(streams, tokens):
+                self._accept_token(stream, token)
+            if not any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
+                       for s in streams):
+                return
+
+    def _accept_token(self, stream: Stream, token: int) -> None:
+        if self.chat.accept(stream, token):
+            self.scheduler.free_llm_slot(stream)
+
+    def _take_fed_text(self) -> None:
+        """Cut the text fed to streamed requests into pieces for their schedules; a stream
+        whose input ended with nothing speakable ends without audio."""
+        for stream in self.scheduler.running():
+            feed = stream.plan.text_feed
+            if feed is None or stream.text_done or stream.schedule is None:
+                continue
+            text, done = self.scheduler.take_fed_text(stream)
+            stream.pieces.extend(feed.push(text))
+            if done:
+                stream.pieces.extend(feed.finish())
+                stream.text_done = True
+                if not feed.speakable:
+                    self._complete(stream)
+
+    def _read_text(self, stream: Stream) -> list[tuple[Stream, object]]:
+        """Feed the stream's waiting pieces to its schedule; the TTS work that results."""
+        schedule = stream.schedule
+        work: list[tuple[Stream, object]] = []
+        while schedule is not None and schedule.phase is Phase.WAITING_TEXT:
+            if stream.pieces:
+                items = schedule.accept_piece(stream.pieces.popleft())
+            elif stream.text_done:
+                items = schedule.end_of_text()
+            else:
+                break
+            work.extend((stream, item) for item in items)
+        return work
+
+    def _run_tts_prefills(self, work: list[tuple[Stream, object]]) -> None:
+        texts: list[tuple[int, TextPrefill]] = []
+        for stream, item in work:
+            if stream.done or stream.slot < 0:
+                continue
+            if item == "reset_cache":
+                self.runner.clear_tts_slot(stream.slot)
+            elif isinstance(item, TextPrefill):
+                texts.append((stream.slot, item))
+            elif isinstance(item, CarryPrefill):
+                if texts:
+                    self.runner.text_prefill(texts)
+                    texts = []
+                self.runner.carry_prefill(stream.slot, item.frames, len(stream.schedule.text_ids))
+        if texts:
+            self.runner.text_prefill(texts)
+
+    def _audio_steps(self, streams: list[Stream]) -> tuple[list, list]:
+        """One window of up to ``steps_per_sync`` audio frames per stream, then each schedule
+        replays its stream's frames in order (its call ends exactly where the device stopped).
+        Returns the decode jobs and the follow-up work (prefills of carried segments)."""
+        inputs = AudioStepInputs.from_steps(
+            [s.schedule.next_step() for s in streams], [s.plan.request.seed or 0 for s in streams],
+            [s.tts_steps for s in streams], self.options.tts_sampling == "greedy",
+            self.model.config.tts.num_vq)
+        window = self.runner.audio_window([s.slot for s in streams], inputs)
+        made = window[:, :, -1].sum(dim=0).tolist()
+        codes = window[:, :, :-1].permute(1, 0, 2).tolist()  # [B][steps][vq]
+        decode_jobs: list[tuple[Stream, DecodeJob]] = []
+        follow_up: list[tuple[Stream, object]] = []
+        for stream, count, frames in zip(streams, made, codes):
+            for frame in frames[:count]:
+                stream.tts_steps += 1
+                for item in stream.schedule.on_frame(frame):
+                    (decode_jobs if isinstance(item, DecodeJob) else follow_up).append((stream, item))
+        return decode_jobs, follow_up
+
+    # ---- emit and release ----------------------------------------------------------------
+
+    def _decode(self, jobs: list[tuple[Stream, DecodeJob]]) -> None:
+        real = [(s, j) for s, j in jobs if j.frames and not s.done]
+        audio = self.runner.decode([j.frames for _, j in real]) if real else []
+        join_decoded([(s, j, a) for (s, j), a in zip(real, audio)], jobs)
+
+    def _complete(self, stream: Stream) -> None:
+        if self.options.keep_traces and stream.schedule is not None:
+            self._traces[stream.request_id] = stream.schedule
+        tail = stream.joiner.finish() if stream.joiner is not None else np.zeros(0, np.float32)
+        self.scheduler.release(stream)
+        emit(stream, tail, final=True)
+        stream.done = True
+        self.scheduler.count(completed=1)
+
+    def _fail(self, stream: Stream, error: BaseException) -> None:
+        if stream.done:
+            return
+        self.scheduler.release(stream)
+        stream.done = True
+        self.scheduler.count(failed=1)
+        send(stream, error)
+
+    def _end_aborted(self) -> None:
+        for stream in self.scheduler.take_aborted():
+            stream.done = True
+            send(stream, RequestAbortedError("aborted"))
+
+    def _inject_faults(self) -> None:
+        """Fault injection (tests only): fail or crash streams whose text holds a marker."""
+        for stream in self.scheduler.running():
+            action = self._faults.action(stream.plan.request.text, stream.chunks_sent)
+            if action == "crash":
+                crash_process(stream.request_id)
+            elif action == "fail":
+                logger.error("request %s failed: injected fault", stream.request_id)
+                self._fail(stream, EngineError("speech synthesis failed (injected fault)"))
