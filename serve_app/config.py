@@ -31,6 +31,10 @@ class ApiConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_input_chars: int = Field(4096, ge=1)
+    # WebSocket sessions: longest input_text.delta, and the longest wait for a client message
+    # while its input is open (below chunk_timeout_s, which also runs while the engine waits).
+    max_text_delta_chars: int = Field(1000, ge=1)
+    ws_idle_timeout_s: float = Field(20.0, gt=0)
     # Longest `instructions` (voice and style direction); the LLM prefill runs on all of it.
     max_instructions_chars: int = Field(1000, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024)

@@ -18,7 +18,13 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.audio import StreamEncoder
 from serve_app.config import HOP_MARGIN_S
 from serve_app.logs import use_replica_log
-from serve_app.messages import EncodedChunk, EncodeJob, StreamError, StreamUsage
+from serve_app.messages import (
+    EncodedChunk,
+    EncodeJob,
+    StreamError,
+    StreamUsage,
+    TextInputOpen,
+)
 from serve_app.metrics import EncoderMetrics
 
 logger = logging.getLogger(__name__)
@@ -67,6 +73,9 @@ class AudioEncoder:
                     return
                 if isinstance(item, StreamUsage):
                     usage = item  # sent after the encoder's tail: it closes the stream
+                    continue
+                if isinstance(item, TextInputOpen):
+                    yield item  # the caller feeds the stream's text to this replica
                     continue
                 if encoder is None:
                     encoder = StreamEncoder(job.audio_format, item.sample_rate_hz,

@@ -39,6 +39,7 @@ from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo, StreamError
 from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+from serve_app.speech_socket import router as speech_socket_router
 from serve_app.stream_open import open_stream
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ api_app = FastAPI(
     description="Streaming text to speech on Ray Serve (OpenAI-compatible /v1/audio/speech).",
 )
 api_app.add_middleware(RequestGuard)
+api_app.include_router(speech_socket_router)
 
 
 @api_app.exception_handler(ApiError)
@@ -266,6 +268,7 @@ class Ingress:
                  api: dict[str, Any]) -> None:
         self._encoder = encoder
         self._synthesizer = synthesizer
+        api_app.state.encoder, api_app.state.synthesizer = encoder, synthesizer  # the socket's
         use_replica_log()
         self._api = ApiConfig.model_validate(api)
         api_app.state.api_config = self._api

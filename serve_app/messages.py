@@ -61,6 +61,14 @@ class StreamUsage:
 
 
 @dataclass(frozen=True)
+class TextInputOpen:
+    """A streamed-input request is in the engine of the Synthesizer replica ``replica_id``:
+    its text goes there through ``feed_text`` (see :mod:`serve_app.routing`)."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """Static facts about the synthesizer's engine, for /v1/models and /v1/voices."""
 

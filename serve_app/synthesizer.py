@@ -28,8 +28,9 @@ from serve_app.engines.base import (
 )
 from serve_app.engines.registry import create_engine
 from serve_app.logs import use_replica_log
-from serve_app.messages import EngineInfo, StreamError, StreamUsage
+from serve_app.messages import EngineInfo, StreamError, StreamUsage, TextInputOpen
 from serve_app.metrics import SynthesizerMetrics
+from serve_app.routing import ROUTER_PATH
 from serve_app.usage import stream_usage
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 METRICS_REFRESH_S = 0.5
 
 BatchItem = AudioChunk | StreamError
-StreamItem = AudioChunk | StreamError | StreamUsage
+StreamItem = AudioChunk | StreamError | StreamUsage | TextInputOpen
 
 
 def _invalid(exc: InvalidRequestError) -> StreamError:
@@ -71,7 +72,8 @@ def _timed_out(request_id: str, waited_s: float) -> StreamError:
 # Bounded queue: beyond max_queued_requests the caller gets BackPressureError (503).
 @serve.deployment(name="Synthesizer", max_ongoing_requests=64, max_queued_requests=64,
                   health_check_period_s=10, graceful_shutdown_timeout_s=90,
-                  ray_actor_options={"num_cpus": 0.5})
+                  ray_actor_options={"num_cpus": 0.5},
+                  request_router_config={"request_router_class": ROUTER_PATH})
 class Synthesizer:
     """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
@@ -94,6 +96,8 @@ class Synthesizer:
         self._batch_sizes: Counter[int] = Counter()
         self._metrics = SynthesizerMetrics()
         self._waiting_for_admission: set[str] = set()
+        # Text fed so far to each streamed-input request on this replica (for its usage).
+        self._fed_text: dict[str, list[str]] = {}
         self._metrics_task: asyncio.Task | None = None
         self._refresh_metrics()
         self._batching: BatchingConfig | None = None
@@ -138,6 +142,9 @@ class Synthesizer:
         batches = self._batched(request)
         timeout_s = self._first_chunk_timeout_s
         samples = 0
+        streamed = request.text_input == "streamed"
+        if streamed:
+            self._fed_text[request.request_id] = [request.text]
         try:
             while True:
                 try:
@@ -149,6 +156,9 @@ class Synthesizer:
                     finished = True
                     yield _timed_out(request.request_id, timeout_s)
                     return
+                if streamed:  # admitted: the caller may feed text to this replica from now on
+                    streamed = False
+                    yield TextInputOpen(serve.get_replica_context().replica_id.unique_id)
                 for item in items:
                     yield item
                     if isinstance(item, StreamError):
@@ -158,13 +168,33 @@ class Synthesizer:
                 if items:
                     timeout_s = self._chunk_timeout_s
             finished = True
-            yield stream_usage(self._engine, request, request.text, samples)
+            text = "".join(self._fed_text.get(request.request_id, [request.text]))
+            yield stream_usage(self._engine, request, text, samples)
         finally:
+            self._fed_text.pop(request.request_id, None)
             self._in_flight -= 1
             self._waiting_for_admission.discard(request.request_id)
             # Caller gone (cancelled or closed) before the end: free the engine slot now.
             if not finished:
                 self._engine.abort(request.request_id)
+
+    def feed_text(self, request_id: str, delta: str, done: bool = False, *,
+                  pinned_replica: str) -> StreamError | None:
+        """Append text to a streamed-input request of this replica's engine (routed here by
+        :class:`~serve_app.routing.PinnedReplicaRouter`); a refusal comes back as StreamError."""
+        if pinned_replica != serve.get_replica_context().replica_id.unique_id:
+            logger.error("request %s: text for replica %s reached another", request_id,
+                         pinned_replica)
+            return StreamError(message="the stream's replica is gone", status_code=503,
+                               code="stream_lost", type="service_unavailable")
+        try:
+            self._engine.feed_text(request_id, delta, done)
+        except InvalidRequestError as exc:
+            return _invalid(exc)
+        fed = self._fed_text.get(request_id)
+        if fed is not None:
+            fed.append(delta)
+        return None
 
     async def _generate_batch(self, requests: list[SpeechRequest]
                               ) -> AsyncIterator[list[Any]]:
@@ -175,6 +205,8 @@ class Synthesizer:
         self._batch_sizes[len(requests)] += 1
         self._waiting_for_admission.difference_update(r.request_id for r in requests)
         iterators = self._submit(requests)
+        # Admission: every caller hears at once that its request is in the engine.
+        yield [[] for _ in requests]
         count = len(requests)
         pending: list[list[BatchItem]] = [[] for _ in range(count)]
         done = [False] * count

@@ -23,7 +23,7 @@ import pytest
 
 from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 from tests.audio.decoding import decode_audio
-from tests.serving.conftest import Server
+from tests.serving.conftest import Server, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -135,10 +135,7 @@ def hardened(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Harden
     deploy(args)
     app = Hardened(base_url=f"{server.base_url}{PREFIX}", args=args)
     # serve.run returns before every proxy routes the new prefix: wait until it answers.
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{app.base_url}/readyz", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "the hardened app never became reachable"
-        time.sleep(0.5)
+    wait_ready(app.base_url, "the hardened app", timeout_s=120)
     yield app
     if APP in serve.status().applications:
         serve.delete(APP)
