@@ -54,6 +54,21 @@ def wait_for(server: Server, check: Callable[[dict[str, Samples]], bool],
         time.sleep(0.3)
 
 
+def settled(server: Server, name: str, quiet_s: float = 2.5,
+            timeout_s: float = 30) -> dict[str, Samples]:
+    """A scrape once ``name`` has stood still for ``quiet_s`` (metrics are reported about once a
+    second, so the requests of earlier tests are all counted by then)."""
+    deadline = time.monotonic() + timeout_s
+    samples = scrape(server)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        later = scrape(server)
+        if total(later, name) == total(samples, name):
+            return later
+        samples = later
+    return samples
+
+
 def speak(server: Server, text: str) -> tuple[int, float]:
     """Bytes of 24 kHz pcm received, and the request's wall seconds."""
     with httpx.Client(base_url=server.base_url, headers=server.auth, timeout=120) as client:
@@ -64,7 +79,7 @@ def speak(server: Server, text: str) -> tuple[int, float]:
 
 
 def test_metrics_show_ttfb_active_streams_and_batch_occupancy(server: Server) -> None:
-    before = scrape(server)
+    before = settled(server, "ray_tts_ttfb_seconds_count")
     ttfb_count = total(before, "ray_tts_ttfb_seconds_count")
     ttfb_sum_s = total(before, "ray_tts_ttfb_seconds_sum")
     audio_s = total(before, "ray_tts_audio_seconds_total")
