@@ -33,6 +33,12 @@ class ApiConfig(BaseModel):
 
     # Up to the engines' maximum; a larger value refuses to start (see _within_engine_limit).
     max_input_chars: int = Field(MAX_TEXT_CHARS, ge=1)
+    # WebSocket sessions: longest input_text.delta, and the longest wait for a client message
+    # while its input is open (below chunk_timeout_s, which also runs while the engine waits).
+    max_text_delta_chars: int = Field(1000, ge=1)
+    ws_idle_timeout_s: float = Field(20.0, gt=0)
+    # Longest `instructions` (voice and style direction); the LLM prefill runs on all of it.
+    max_instructions_chars: int = Field(1000, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=1024)
     # Bearer keys the /v1 routes require (any of them); none at all serves without auth. Keys
     # come from here, from the environment variable named by api_keys_env and from the file

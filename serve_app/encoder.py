@@ -18,7 +18,7 @@ from serve_app.audio import StreamEncoder
 from serve_app.errors import ApiError
 from serve_app.hops import HOP_MARGIN_S, relay_error, within
 from serve_app.logs import use_replica_log
-from serve_app.messages import EncodeJob
+from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.metrics import EncoderMetrics
 
 logger = logging.getLogger(__name__)
@@ -35,13 +35,16 @@ class AudioEncoder:
         self._first_chunk_timeout_s = first_chunk_timeout_s + HOP_MARGIN_S
         self._chunk_timeout_s = chunk_timeout_s + HOP_MARGIN_S
 
-    async def stream(self, job: EncodeJob) -> AsyncIterator[bytes | ApiError]:
-        """Encoded bytes of one stream; a rejected or failed stream ends with an ApiError."""
+    async def stream(self, job: EncodeJob
+                     ) -> AsyncIterator[bytes | EncodedChunk | StreamUsage | TextInputOpen | ApiError]:
+        """Encoded bytes of one stream (with ``job.events``: an EncodedChunk per engine chunk,
+        then the StreamUsage); a rejected or failed stream ends with an ApiError."""
         started_s = time.perf_counter()
         audio_s = 0.0
         request_id = job.request.request_id
         chunks = self._synthesizer.synthesize.options(stream=True).remote(job.request)
         encoder: StreamEncoder | None = None
+        usage: StreamUsage | None = None
         finished = False
         try:
             async for item in within(chunks, self._first_chunk_timeout_s, self._chunk_timeout_s):
@@ -49,6 +52,12 @@ class AudioEncoder:
                     finished = True
                     yield item
                     return
+                if isinstance(item, StreamUsage):
+                    usage = item  # sent after the encoder's tail: it closes the stream
+                    continue
+                if isinstance(item, TextInputOpen):
+                    yield item  # the caller feeds the stream's text to that replica
+                    continue
                 if encoder is None:
                     encoder = StreamEncoder(job.audio_format, item.sample_rate_hz,
                                             job.sample_rate_hz)
@@ -56,13 +65,17 @@ class AudioEncoder:
                 encode_started_s = time.perf_counter()
                 data = await asyncio.to_thread(encoder.encode, item.samples)
                 self._metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
-                audio_s += item.duration_s
-                if data:
+                if job.events:
+                    yield EncodedChunk(data, item.text, audio_s, item.duration_s, item.timings_s)
+                elif data:
                     yield data
+                audio_s += item.duration_s
             if encoder is not None:
                 tail = await asyncio.to_thread(encoder.finish)
                 if tail:
-                    yield tail
+                    yield EncodedChunk(tail, "", audio_s, 0.0) if job.events else tail
+            if job.events and usage is not None:
+                yield usage
             finished = True
             self._metrics.stream_finished(job.audio_format, audio_s,
                                           time.perf_counter() - started_s)

@@ -33,11 +33,13 @@ from serve_app.guard import (
     StreamAdmission,
     json_error,
 )
-from serve_app.hops import HOP_MARGIN_S, relay_error, within
+from serve_app.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
 from serve_app.metrics import IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+from serve_app.speech_socket import router as speech_socket_router
+from serve_app.stream_open import open_stream
 from serve_app.text_rule import check_text
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ api_app = FastAPI(
     description="Streaming text to speech on Ray Serve (OpenAI-compatible /v1/audio/speech).",
 )
 api_app.add_middleware(RequestGuard)
+api_app.include_router(speech_socket_router)
 
 
 @api_app.exception_handler(ApiError)
@@ -158,6 +161,7 @@ class Ingress:
                  api: dict[str, Any]) -> None:
         self._encoder = encoder
         self._synthesizer = synthesizer
+        api_app.state.encoder, api_app.state.synthesizer = encoder, synthesizer  # the socket's
         use_replica_log()
         self._api = ApiConfig.model_validate(api)
         api_app.state.api_config = self._api
@@ -229,23 +233,29 @@ class Ingress:
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
         text = self._checked_text(body.input, "input")
+        self._check_instructions(body.instructions)
         voice = "default" if body.voice in self._api.voice_aliases else body.voice
         request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
-                                speed=body.speed, max_audio_s=self._api.max_audio_s)
+                                speed=body.speed, seed=body.seed,
+                                max_audio_s=self._api.max_audio_s,
+                                system_prompt=body.instructions or None)
         _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
-        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s)
+        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s,
+                                  events=body.stream_format == "sse")
 
     @api_app.post("/v1/speech/stream", summary="Native streaming speech",
                   response_class=StreamingResponse)
     async def native_speech(self, body: NativeSpeechBody, http: Request) -> StreamingResponse:
         received_s = time.perf_counter()
         text = self._checked_text(body.text, "text")
+        self._check_instructions(body.instructions)
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
         request = SpeechRequest(request_id=_request_id(http), text=text, mode=body.mode,
                                 voice=body.voice, speed=body.speed, seed=body.seed,
-                                max_audio_s=self._api.max_audio_s)
+                                max_audio_s=self._api.max_audio_s,
+                                system_prompt=body.instructions or None)
         _describe(http, request, body.format, body.sample_rate)
         return await self._stream(request, body.format, body.sample_rate, received_s)
 
@@ -256,30 +266,27 @@ class Ingress:
         except InvalidRequestError as exc:
             raise errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code) from None
 
+    def _check_instructions(self, instructions: str | None) -> None:
+        limit = self._api.max_instructions_chars
+        if instructions is not None and len(instructions) > limit:
+            raise ApiError(400, f"instructions is longer than {limit} characters",
+                           param="instructions", code="string_too_long")
+
     async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
-                      received_s: float) -> StreamingResponse:
-        job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz)
-        upstream: DeploymentResponseGenerator = (
-            self._encoder.stream.options(stream=True).remote(job))
-        pieces = within(upstream, self._api.first_chunk_timeout_s + 2 * HOP_MARGIN_S,
-                        self._api.chunk_timeout_s + 2 * HOP_MARGIN_S, self._api.max_stream_s)
-        try:
-            # The first item tells rejection (ApiError) from audio, so the status is right.
-            first = await anext(pieces)
-        except StopAsyncIteration:
-            first = b""
-        except BaseException as exc:
-            upstream.cancel()
-            if isinstance(exc, Exception):
-                raise relay_error(request.request_id, "the encoder", exc) from None
-            raise
-        if isinstance(first, ApiError):
-            raise first
+                      received_s: float, events: bool = False) -> StreamingResponse:
+        job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz,
+                        events=events)
+        first, pieces, upstream = await open_stream(self._encoder, job, self._api)
         if first:
             self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
                                        audio_format)
         # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
         headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
+        if events:
+            return StreamingResponse(sse_body(first, pieces, upstream, request.request_id,
+                                              self._metrics),
+                                     media_type=SSE_MEDIA_TYPE,
+                                     headers={**headers, "cache-control": "no-cache"})
         return StreamingResponse(_body(first, pieces, upstream, request.request_id,
                                        self._metrics),
                                  media_type=CONTENT_TYPES[audio_format], headers=headers)

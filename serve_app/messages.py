@@ -17,6 +17,43 @@ class EncodeJob:
     request: SpeechRequest
     audio_format: str
     sample_rate_hz: int
+    # True: yield EncodedChunk (bytes plus text and timing) and the StreamUsage; else bytes only.
+    events: bool = False
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """One engine chunk, encoded, with what it covers: for SSE and WebSocket event streams.
+
+    ``audio_offset_s`` is where the chunk starts in the stream's audio; ``text`` is the text the
+    engine spoke in it (may be empty); ``timings_s`` the engine's per-stage seconds.
+    """
+
+    data: bytes
+    text: str
+    audio_offset_s: float
+    duration_s: float
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """A finished stream's token counts, sent after its last chunk (OpenAI's ``usage``)."""
+
+    input_tokens: int
+    output_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "total_tokens": self.input_tokens + self.output_tokens}
+
+
+@dataclass(frozen=True)
+class TextInputOpen:
+    """A streamed-input request is in the engine of the Synthesizer replica ``replica_id``:
+    its text goes there through ``feed_text`` (see :mod:`serve_app.routing`)."""
+
+    replica_id: str
 
 
 @dataclass(frozen=True)

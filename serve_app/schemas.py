@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serve_app.audio import SAMPLE_RATES_HZ
 
@@ -12,12 +12,23 @@ from serve_app.audio import SAMPLE_RATES_HZ
 # api.max_input_chars (a schema cap here would override the configured limit).
 _TEXT = ("Text to speak: at most api.max_input_chars characters (default 4096) once control, "
          "format and unassigned characters are removed; something to speak must be left")
+# Schema ceiling; the served limit is the (lower) api.max_instructions_chars.
+MAX_INSTRUCTIONS_CHARS = 4096
+INSTRUCTIONS_DESCRIPTION = ("Voice and style direction (OpenAI's instructions); engines that "
+                            "cannot follow it (piper) answer 400")
+
+
+def no_nul(text: str | None) -> str | None:
+    # Engines hand text to C libraries (espeak) that would stop at a NUL.
+    if text is not None and "\x00" in text:
+        raise ValueError("must not contain NUL characters")
+    return text
 
 
 class OpenAISpeechBody(BaseModel):
     """``POST /v1/audio/speech``, as in OpenAI's API. ``pcm`` is 24 kHz s16le mono."""
 
-    # Fields OpenAI added later (instructions, stream_format) are accepted and ignored.
+    # Fields this API does not know are ignored, as OpenAI's own clients send new ones first.
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="tts-1, tts-1-hd, gpt-4o-mini-tts or the engine's id")
@@ -25,7 +36,15 @@ class OpenAISpeechBody(BaseModel):
     voice: str = Field(..., description="An OpenAI voice name or one of /v1/voices")
     response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS,
+                                     description=INSTRUCTIONS_DESCRIPTION)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1,
+                             description="Not in OpenAI's API: reproducible output")
+    stream_format: Literal["audio", "sse"] = Field(
+        "audio", description="audio: the raw audio bytes; sse: server-sent events "
+                             "(speech.audio.delta with base64 audio, then speech.audio.done)")
 
+    _instructions_no_nul = field_validator("instructions")(no_nul)
 
 class NativeSpeechBody(BaseModel):
     """``POST /v1/speech/stream``: the native streaming endpoint."""
@@ -42,3 +61,7 @@ class NativeSpeechBody(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1,
                              description="Reproducible output (piper: noise-free synthesis)")
     speed: float = Field(1.0, ge=0.25, le=4.0)
+    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS,
+                                     description=INSTRUCTIONS_DESCRIPTION)
+
+    _instructions_no_nul = field_validator("instructions")(no_nul)

@@ -26,13 +26,16 @@ from serve_app.engines.base import (
     EngineOverloadedError,
     InvalidRequestError,
     SpeechRequest,
+    refuse_unsupported,
 )
 from serve_app.engines.registry import create_engine
 from serve_app.errors import ApiError
 from serve_app.hops import StreamTimeout, within
 from serve_app.logs import use_replica_log
-from serve_app.messages import EngineInfo
+from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
 from serve_app.metrics import SynthesizerMetrics
+from serve_app.routing import ROUTER_PATH
+from serve_app.usage import stream_usage
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ METRICS_REFRESH_S = 0.5
 GIL_SWITCH_INTERVAL_S = 0.001
 
 Admitted = AsyncIterator[AudioChunk] | ApiError
+StreamItem = AudioChunk | ApiError | StreamUsage | TextInputOpen
 
 
 def _refused(exc: InvalidRequestError | EngineOverloadedError) -> ApiError:
@@ -55,7 +59,8 @@ def _refused(exc: InvalidRequestError | EngineOverloadedError) -> ApiError:
 # Bounded queue: beyond max_queued_requests the caller gets BackPressureError (503).
 @serve.deployment(name="Synthesizer", max_ongoing_requests=64, max_queued_requests=64,
                   health_check_period_s=10, graceful_shutdown_timeout_s=90,
-                  ray_actor_options={"num_cpus": 0.5})
+                  ray_actor_options={"num_cpus": 0.5},
+                  request_router_config={"request_router_class": ROUTER_PATH})
 class Synthesizer:
     """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
@@ -79,6 +84,8 @@ class Synthesizer:
         self._batch_sizes: Counter[int] = Counter()
         self._metrics = SynthesizerMetrics()
         self._waiting_for_admission: set[str] = set()
+        # Text fed so far to each streamed-input request on this replica (for its usage).
+        self._fed_text: dict[str, list[str]] = {}
         self._metrics_task: asyncio.Task | None = None
         self._refresh_metrics()
         self._batching: BatchingConfig | None = None
@@ -127,12 +134,19 @@ class Synthesizer:
             logger.warning("max_batch_size %d > the engine's %d slots: the rest of a batch waits "
                            "in the engine's queue", config.max_batch_size, slots)
 
-    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
-        """Stream one request's chunks; a rejected or failed request ends with an ApiError.
+    async def synthesize(self, request: SpeechRequest) -> AsyncIterator[StreamItem]:
+        """Stream one request's chunks, then its StreamUsage; a rejected or failed request ends
+        with an ApiError instead. A streamed-input request first gets a TextInputOpen naming this
+        replica, where its text goes (:meth:`feed_text`).
 
         The engine validates the request when its batch is submitted (once, touching nothing if
         it refuses); a refusal is this stream's only item.
         """
+        try:
+            refuse_unsupported(self._engine, request)
+        except InvalidRequestError as exc:
+            yield _refused(exc)
+            return
         request_id = request.request_id
         self._waiting_for_admission.add(request_id)
         self._watch_metrics()
@@ -140,11 +154,19 @@ class Synthesizer:
         finished = False
         items = within(self._admitted(request), self._first_chunk_timeout_s,
                        self._chunk_timeout_s)
+        samples = 0
+        if request.text_input == "streamed":
+            self._fed_text[request_id] = [request.text]
         try:
             async for item in items:
                 yield item
                 if isinstance(item, ApiError):
                     break
+                if isinstance(item, AudioChunk):
+                    samples += len(item.samples)
+            else:
+                text = "".join(self._fed_text.get(request_id, [request.text]))
+                yield stream_usage(self._engine, request, text, samples)
             finished = True
         except StreamTimeout as exc:
             finished = True
@@ -155,6 +177,7 @@ class Synthesizer:
             self._engine.abort(request_id)
             yield errors.synthesis_failed(request_id, exc)
         finally:
+            self._fed_text.pop(request_id, None)
             self._in_flight -= 1
             self._waiting_for_admission.discard(request_id)
             # Caller gone (cancelled or closed) before the end: free the engine slot now. This
@@ -169,8 +192,27 @@ class Synthesizer:
         if isinstance(admitted, ApiError):
             yield admitted
             return
+        if request.text_input == "streamed":  # in the engine: the caller may feed text now
+            yield TextInputOpen(serve.get_replica_context().replica_id.unique_id)
         async for chunk in admitted:
             yield chunk
+
+    def feed_text(self, request_id: str, delta: str, done: bool = False, *,
+                  pinned_replica: str) -> ApiError | None:
+        """Append text to a streamed-input request of this replica's engine (routed here by
+        :class:`~serve_app.routing.PinnedReplicaRouter`); a refusal comes back as an ApiError."""
+        if pinned_replica != serve.get_replica_context().replica_id.unique_id:
+            logger.error("request %s: text for replica %s reached another", request_id,
+                         pinned_replica)
+            return ApiError(503, "the stream's replica is gone", code="stream_lost")
+        try:
+            self._engine.feed_text(request_id, delta, done)
+        except InvalidRequestError as exc:
+            return _refused(exc)
+        fed = self._fed_text.get(request_id)
+        if fed is not None:
+            fed.append(delta)
+        return None
 
     async def _admit_batch(self, requests: list[SpeechRequest]) -> list[Admitted]:
         """Batched body: submit the batch and hand each request its stream; returns at once."""

@@ -181,3 +181,17 @@ class Engine(Protocol):
         """Run a throwaway request so the first real one pays no compile/allocation cost."""
 
     def close(self) -> None: ...
+
+
+def refuse_unsupported(engine: object, request: SpeechRequest) -> None:
+    """Refuse a request for what ``engine`` has not declared it can do, before its validate:
+    ``system_prompt`` (the API's ``instructions``) needs ``follows_instructions = True``.
+
+    Raises :class:`InvalidRequestError` naming the API parameter.
+    """
+    if request.system_prompt and not getattr(engine, "follows_instructions", False):
+        name = getattr(engine, "model_id", type(engine).__name__)
+        raise InvalidRequestError(
+            f"the {name} engine cannot follow instructions: it has one fixed speaking style "
+            "(leave instructions out, or deploy the minicpmo engine)", "instructions",
+            code="unsupported_parameter")

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 from piper.config import SynthesisConfig
 
-from serve_app.engines.base import InvalidRequestError, RequestAbortedError, SpeechRequest
+from serve_app.engines.base import (
+    InvalidRequestError,
+    RequestAbortedError,
+    SpeechRequest,
+    refuse_unsupported,
+)
 from serve_app.engines.piper_engine import PiperEngine
 from serve_app.engines.registry import create_engine
 
@@ -129,6 +134,13 @@ def test_validate_rejects_before_scheduling(engine: PiperEngine, fields: dict, p
     with pytest.raises(InvalidRequestError):
         engine.submit([request])
     assert engine.stats().steps == steps
+
+
+def test_instructions_are_refused_as_the_engine_cannot_follow_them(engine: PiperEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="cannot follow instructions") as caught:
+        refuse_unsupported(engine, _request("i", system_prompt="Speak like a pirate."))
+    assert (caught.value.param, caught.value.code) == ("instructions", "unsupported_parameter")
+    refuse_unsupported(engine, _request("j", system_prompt=""))  # none given: nothing to refuse
 
 
 def test_chat_error_says_the_engine_cannot_chat(engine: PiperEngine) -> None:

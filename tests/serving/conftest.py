@@ -44,6 +44,14 @@ class Server:
         return handle.stats.remote().result()
 
 
+def wait_ready(base_url: str, what: str, timeout_s: float = 180) -> None:
+    """Poll ``/readyz`` until it answers 200 (serve.run returns before every proxy routes)."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{base_url}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, f"{what} never became ready"
+        time.sleep(0.5)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -88,10 +96,7 @@ def server() -> Server:
         )
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{base_url}/readyz", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, "service never became ready"
-            time.sleep(0.5)
+        wait_ready(base_url, "the service", timeout_s=120)
         yield Server(base_url=base_url, api_key=API_KEY,
                      metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     finally:

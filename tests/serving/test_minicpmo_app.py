@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import base64
+import json
 
 import httpx
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
 from serve_app.engines.minicpmo.loader import load_speech_model
+from tests.serving.conftest import wait_ready
 
 APP = "minicpmo-tiny"
 PREFIX = "/minicpmo"
@@ -45,10 +47,7 @@ def minicpmo_app(server, tiny_checkpoint):
                                                             ApiConfig().model_dump())
     serve.run(ingress, name=APP, route_prefix=PREFIX)
     base = f"{server.base_url}{PREFIX}"
-    deadline = time.monotonic() + 180
-    while httpx.get(f"{base}/readyz", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "minicpmo app never became ready"
-        time.sleep(0.5)
+    wait_ready(base, "the minicpmo app")
     yield base
     serve.delete(APP)
 
@@ -103,3 +102,63 @@ def test_bad_input_is_a_json_4xx_and_the_app_keeps_serving(minicpmo_app):
     ok = httpx.post(f"{minicpmo_app}/v1/speech/stream", timeout=300,
                     json={"text": "Still here.", "mode": "read", "format": "pcm"})
     assert ok.status_code == 200 and len(ok.content) > 0
+
+
+def sse_events(minicpmo_app, **body) -> list[dict]:
+    request = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm",
+               "stream_format": "sse", **body}
+    with httpx.stream("POST", f"{minicpmo_app}/v1/audio/speech", json=request,
+                      timeout=300) as reply:
+        assert reply.status_code == 200, reply.read()
+        return [json.loads(line[5:]) for line in reply.iter_lines() if line.startswith("data:")]
+
+
+def test_sse_chunks_carry_their_text_and_instructions_shape_the_voice(minicpmo_app):
+    plain = sse_events(minicpmo_app)
+    # (On the tiny random model some instructions move the speaker embedding too little to
+    # change a greedy code; this one changes the audio, see tests/engines/minicpmo.)
+    directed = sse_events(minicpmo_app,
+                          instructions="Speak slowly, in a warm and cheerful voice.")
+    for events in (plain, directed):
+        *deltas, done = events
+        assert {event["type"] for event in deltas} == {"speech.audio.delta"}
+        assert done["type"] == "speech.audio.done"
+        # The chunks' texts, in order, are the text read (the tiny model's random weights may
+        # end the audio before the text's end).
+        spoken = "".join(event["text"] for event in deltas)
+        assert spoken and TEXT.startswith(spoken)
+        assert deltas[0]["text"].startswith("Hello")
+    # The instructions' tokens are counted, and (greedy decoding) they change the audio.
+    assert directed[-1]["usage"]["input_tokens"] > plain[-1]["usage"]["input_tokens"] > 0
+    audio = [b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+             for events in (plain, directed)]
+    assert audio[0] != audio[1]
+
+
+def test_websocket_text_fed_word_by_word_is_spoken_with_its_captions(minicpmo_app):
+    from websockets.sync.client import connect
+
+    url = minicpmo_app.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    events, audio = [], bytearray()
+    with connect(url, max_size=None, open_timeout=60) as socket:
+        socket.send(json.dumps({"type": "session.start", "response_format": "pcm",
+                                "instructions": "Speak slowly, in a warm and cheerful voice."}))
+        assert json.loads(socket.recv(timeout=120))["type"] == "session.started"
+        for index, word in enumerate(TEXT.split(" ")):
+            socket.send(json.dumps({"type": "input_text.delta",
+                                    "delta": word if index == 0 else " " + word}))
+        socket.send(json.dumps({"type": "input_text.done"}))
+        while True:
+            message = socket.recv(timeout=300)
+            if isinstance(message, bytes):
+                audio.extend(message)
+                continue
+            events.append(json.loads(message))
+            if events[-1]["type"] in ("response.done", "error"):
+                break
+    assert events[-1]["type"] == "response.done", events[-1]
+    chunks = [e for e in events if e["type"] == "audio.chunk"]
+    spoken = "".join(c["text"] for c in chunks)
+    assert spoken and TEXT.startswith(spoken)
+    assert sum(c["bytes"] for c in chunks) == len(audio) > 4096
+    assert events[-1]["usage"]["input_tokens"] > 0

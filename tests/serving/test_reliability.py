@@ -8,6 +8,7 @@ so crashing its synthesizer never disturbs the other tests. Its last test delete
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import threading
@@ -22,7 +23,7 @@ import pytest
 
 from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 from tests.audio.decoding import decode_audio
-from tests.serving.conftest import Server
+from tests.serving.conftest import Server, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -134,10 +135,7 @@ def hardened(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Harden
     deploy(args)
     app = Hardened(base_url=f"{server.base_url}{PREFIX}", args=args)
     # serve.run returns before every proxy routes the new prefix: wait until it answers.
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{app.base_url}/readyz", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "the hardened app never became reachable"
-        time.sleep(0.5)
+    wait_ready(app.base_url, "the hardened app", timeout_s=120)
     yield app
     if APP in serve.status().applications:
         serve.delete(APP)
@@ -379,6 +377,23 @@ def test_a_failing_request_ends_its_stream_with_an_error_and_the_others_continue
     assert good_result.status == 200 and good_result.error is None
     assert_same_audio(good_result.body, expected)
     assert hardened.engine()["failed"] == failed + 1
+
+
+def test_a_failing_sse_stream_ends_with_an_error_event_after_its_audio(
+        hardened: Hardened) -> None:
+    body = {"model": "tts-1", "voice": "alloy", "input": f"{FAIL} {TEXT}",
+            "response_format": "pcm", "stream_format": "sse"}
+    with hardened.client().stream("POST", "/v1/audio/speech", json=body) as reply:
+        assert reply.status_code == 200
+        events = [json.loads(line[5:]) for line in reply.iter_lines()
+                  if line.startswith("data:")]
+    *deltas, last = events
+    assert deltas and all(event["type"] == "speech.audio.delta" for event in deltas)
+    assert last["type"] == "error"
+    assert set(last["error"]) == {"message", "type", "param", "code"}
+    assert last["error"]["code"] == "synthesis_failed"
+    with hardened.client() as client:
+        assert speak(client, TEXT).status_code == 200
 
 
 def serve_logs() -> dict[str, str]:

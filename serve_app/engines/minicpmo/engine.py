@@ -19,7 +19,7 @@ from ..base import TEXT_INPUTS, AudioChunk, EngineStats, InvalidRequestError, Sp
 from ..streamed_text import StreamedText
 from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
-from .codec import SAMPLE_RATE_HZ
+from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel, load_speech_model
 from .options import EngineOptions
 from .quantization import quantize_llm
@@ -47,6 +47,8 @@ class MiniCPMOEngine:
 
     sample_rate_hz = SAMPLE_RATE_HZ
     modes = ("read", "chat")
+    samples_per_audio_token = SAMPLES_PER_CODE_FRAME  # one audio code frame per output token
+    follows_instructions = True  # they become the system prompt, shaping the speaker embedding
 
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
         self.options = options
@@ -83,6 +85,10 @@ class MiniCPMOEngine:
 
     def voices(self) -> list[str]:
         return list(self.options.voices)
+
+    def count_tokens(self, text: str) -> int:
+        """LLM tokens of ``text`` (usage's input tokens)."""
+        return len(self.model.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def validate(self, request: SpeechRequest) -> None:
         """Refuse what this engine cannot serve. Streamed requests are read-mode only and may

@@ -25,8 +25,12 @@ _ENGLISH_DIGITS = dict(zip("0123456789",
 
 
 def user_turn(text: str, system_prompt: str | None = None) -> str:
-    """The prefill text of a new session: optional system turn, then the user turn."""
-    prefix = f"<|im_start|>system\n{system_prompt}<|im_end|>\n" if system_prompt else ""
+    """The prefill text of a new session: the optional system prompt, then the user turn.
+
+    Upstream (``get_sys_prompt``, rendered by the TTS chat template) puts its system prompts in a
+    first turn of role ``user``, not ``system``; instructions follow that form.
+    """
+    prefix = f"<|im_start|>user\n{system_prompt}<|im_end|>\n" if system_prompt else ""
     return f"{prefix}<|im_start|>user\n{text}<|im_end|>\n"
 
 

@@ -1,0 +1,341 @@
+"""``WS /v1/audio/speech/stream``: text in as a voice agent's LLM produces it, audio out as ready.
+
+Protocol (JSON text messages, binary audio frames):
+
+- client ``{"type": "session.start", "voice", "response_format", "sample_rate", "instructions",
+  "api_key"}`` (every field optional; ``api_key`` where no ``Authorization`` header could be
+  sent) -> server ``session.started``;
+- client ``input_text.delta`` (``delta``: text to append), ``input_text.done`` (no more text),
+  ``cancel`` (stop now; a closed socket does the same);
+- server, per engine chunk: an ``audio.chunk`` event (the text it covers, its audio offset and
+  duration, its byte count, timings) followed by that many bytes in one binary frame; at the end
+  ``response.done`` with ``usage``; ``error`` events (``error``: message, type, param, code).
+
+A bad message gets an ``error`` event and the session goes on; a failed stream, a cancel, the
+idle limit (``api.ws_idle_timeout_s`` without a message while input is open) or the total limit
+(``api.max_stream_s``) ends it and the socket closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from serve_app.audio import check_format_rate
+from serve_app.config import ApiConfig
+from serve_app.engines.base import SpeechRequest
+from serve_app.errors import ApiError
+from serve_app.events import chunk_fields, error_event, stream_error_event
+from serve_app.guard import KeyRing, StreamAdmission
+from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
+from serve_app.routing import PIN_KEYWORD
+from serve_app.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
+from serve_app.stream_open import open_stream
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+ROUTE = "/v1/audio/speech/stream"
+# Close codes (RFC 6455): normal, policy violation (auth), internal error.
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR = 1000, 1008, 1011
+
+
+class SessionStart(BaseModel):
+    """The first message of a session."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["session.start"]
+    model: str | None = None
+    voice: str = "alloy"
+    response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "pcm"
+    sample_rate: int = 24000
+    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS)
+    api_key: str | None = None
+
+    _instructions_no_nul = field_validator("instructions")(no_nul)
+
+
+class SessionEnd(Exception):
+    """Ends the session: ``event`` (if any) is sent, then the socket closes with ``close_code``."""
+
+    def __init__(self, event: dict[str, Any] | None, close_code: int = CLOSE_NORMAL) -> None:
+        super().__init__(event)
+        self.event = event
+        self.close_code = close_code
+
+
+def _api_error_event(error: ApiError) -> dict[str, Any]:
+    return error_event(error.message, error.code or "invalid_request", error.error_type,
+                       error.param)
+
+
+def _bad_message(message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return error_event(message, code, "invalid_request_error", param)
+
+
+class SpeechSession:
+    """One socket's session: opens the stream, feeds it text, relays its audio and events."""
+
+    def __init__(self, socket: WebSocket) -> None:
+        state = socket.app.state
+        self.socket = socket
+        self.api: ApiConfig = state.api_config
+        self.keys: KeyRing = state.keys
+        self.admission: StreamAdmission = state.admission
+        self.encoder = state.encoder
+        self.synthesizer = state.synthesizer
+        self.metrics = state.metrics
+        self.request_id = uuid.uuid4().hex
+        self.key: str | None = None  # the API key's log label, once authenticated
+        self.send_lock = asyncio.Lock()
+        self.replica_id: str | None = None
+        self.upstream: Any = None  # the encoder stream: cancelled when the session ends
+        self.text_chars = 0
+        self.input_done = False
+        self.first_delta_s: float | None = None
+
+    async def send(self, event: dict[str, Any], data: bytes | None = None) -> None:
+        """One event (and its binary frame) at a time: reader and writer both send."""
+        async with self.send_lock:
+            await self.socket.send_text(json.dumps(event, separators=(",", ":")))
+            if data:
+                await self.socket.send_bytes(data)
+
+    async def receive(self, timeout_s: float | None) -> dict[str, Any] | None:
+        """The next JSON message; None (after an error event) for one that is not."""
+        try:
+            message = await asyncio.wait_for(self.socket.receive(), timeout_s)
+        except TimeoutError:
+            raise SessionEnd(_bad_message(f"no message for {timeout_s:g} s", "idle_timeout"),
+                             CLOSE_POLICY) from None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
+        if message.get("text") is None:
+            await self.send(_bad_message("messages must be JSON text, not binary", "binary_message"))
+            return None
+        try:
+            body = json.loads(message["text"])
+        except ValueError:
+            await self.send(_bad_message("message is not valid JSON", "invalid_json"))
+            return None
+        if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+            await self.send(_bad_message("message must be a JSON object with a type", "invalid_json",
+                                         "type"))
+            return None
+        return body
+
+    # ---- session start ---------------------------------------------------------------------
+
+    async def start(self) -> SessionStart:
+        """Wait for a valid ``session.start`` (bad ones get error events); check auth."""
+        while True:
+            body = await self.receive(self.api.ws_idle_timeout_s)
+            if body is None:
+                continue
+            if body["type"] != "session.start":
+                await self.send(_bad_message("the first message must be session.start",
+                                             "session_not_started", "type"))
+                continue
+            try:
+                start = SessionStart.model_validate(body)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                param = ".".join(str(part) for part in first.get("loc", ())) or None
+                await self.send(_bad_message(f"invalid value for {param}: {first['msg']}",
+                                             "invalid_value", param))
+                continue
+            problem = self.check(start)
+            if problem is not None:
+                await self.send(problem)
+                continue
+            return start
+
+    def check(self, start: SessionStart) -> dict[str, Any] | None:
+        """Auth and limits of a ``session.start``: an error event, or None."""
+        header = self.socket.headers.get("authorization", "")
+        try:
+            self.key = self.keys.authenticate(header or f"Bearer {start.api_key or ''}")
+        except ApiError as error:
+            raise SessionEnd(_api_error_event(error), CLOSE_POLICY) from None
+        problem = check_format_rate(start.response_format, start.sample_rate)
+        if problem is not None:
+            return _bad_message(problem, "unsupported_sample_rate", "sample_rate")
+        if start.instructions and len(start.instructions) > self.api.max_instructions_chars:
+            return _bad_message(f"instructions is longer than {self.api.max_instructions_chars} "
+                                "characters", "string_too_long", "instructions")
+        return None
+
+    async def open(self, start: SessionStart) -> Any:
+        voice = "default" if start.voice in self.api.voice_aliases else start.voice
+        request = SpeechRequest(request_id=self.request_id, text="", voice=voice,
+                                text_input="streamed", max_audio_s=self.api.max_audio_s,
+                                system_prompt=start.instructions or None)
+        job = EncodeJob(request=request, audio_format=start.response_format,
+                        sample_rate_hz=start.sample_rate, events=True)
+        try:
+            first, pieces, self.upstream = await open_stream(self.encoder, job, self.api)
+        except ApiError as error:
+            raise SessionEnd(_api_error_event(error), CLOSE_NORMAL) from None
+        if not isinstance(first, TextInputOpen):
+            self.upstream.cancel()
+            logger.error("session %s: stream opened without its replica", self.request_id)
+            raise SessionEnd(error_event("speech synthesis failed", "synthesis_failed"),
+                             CLOSE_ERROR)
+        self.replica_id = first.replica_id
+        return pieces
+
+    # ---- text in ---------------------------------------------------------------------------
+
+    async def read_text(self) -> None:
+        """Client messages until cancel (or disconnect); feeds the text to the stream."""
+        while True:
+            body = await self.receive(None if self.input_done else self.api.ws_idle_timeout_s)
+            if body is None:
+                continue
+            kind = body["type"]
+            if kind == "cancel":
+                raise SessionEnd({"type": "response.cancelled"})
+            if kind == "input_text.delta":
+                await self.delta(body.get("delta"))
+            elif kind == "input_text.done":
+                if self.input_done:
+                    await self.send(_bad_message("input is already done", "input_done"))
+                    continue
+                self.input_done = True
+                await self.feed("", done=True)
+            else:
+                await self.send(_bad_message(f"unknown message type {kind!r}", "unknown_type",
+                                             "type"))
+
+    async def delta(self, text: Any) -> None:
+        if not isinstance(text, str):
+            await self.send(_bad_message("delta must be a string", "invalid_value", "delta"))
+        elif "\x00" in text:
+            await self.send(_bad_message("delta must not contain NUL characters", "invalid_value",
+                                         "delta"))
+        elif self.input_done:
+            await self.send(_bad_message("input is already done: no more text", "input_done",
+                                         "delta"))
+        elif len(text) > self.api.max_text_delta_chars:
+            await self.send(_bad_message(f"delta is longer than {self.api.max_text_delta_chars} "
+                                         "characters", "delta_too_long", "delta"))
+        elif self.text_chars + len(text) > self.api.max_input_chars:
+            await self.send(_bad_message(f"the text would pass {self.api.max_input_chars} "
+                                         "characters", "text_too_long", "delta"))
+        elif text:
+            if self.first_delta_s is None:
+                self.first_delta_s = time.perf_counter()
+            self.text_chars += len(text)
+            await self.feed(text)
+
+    async def feed(self, delta: str, done: bool = False) -> None:
+        """Send text to the stream's replica; its refusal is an error event, a lost replica
+        ends the session."""
+        call = self.synthesizer.feed_text.remote(self.request_id, delta, done,
+                                                 **{PIN_KEYWORD: self.replica_id})
+        try:
+            refused = await asyncio.wait_for(call, self.api.handle_timeout_s)
+        except Exception as exc:
+            logger.error("session %s: text not delivered (%s)", self.request_id,
+                         type(exc).__name__)
+            raise SessionEnd(error_event("the speech stream is gone", "stream_lost",
+                                         "service_unavailable"), CLOSE_ERROR) from None
+        if isinstance(refused, ApiError):
+            await self.send(stream_error_event(refused))
+
+    # ---- audio out -------------------------------------------------------------------------
+
+    async def write_audio(self, pieces: Any) -> None:
+        """Relay the stream's chunks; ends the session when the stream ends."""
+        try:
+            async for item in pieces:
+                if isinstance(item, EncodedChunk):
+                    await self.send(self.chunk_event(item), item.data)
+                elif isinstance(item, StreamUsage):
+                    raise SessionEnd({"type": "response.done", "usage": item.as_dict()})
+                elif isinstance(item, ApiError):
+                    raise SessionEnd(stream_error_event(item), CLOSE_ERROR)
+        except SessionEnd:
+            raise
+        except Exception as exc:  # a cut stream: timeout, total limit, dead replica
+            logger.error("session %s: stream cut (%s)", self.request_id, type(exc).__name__)
+            raise SessionEnd(error_event(str(exc) or "speech synthesis failed", "stream_cut"),
+                             CLOSE_ERROR) from None
+        raise SessionEnd({"type": "response.done", "usage": None})
+
+    def chunk_event(self, chunk: EncodedChunk) -> dict[str, Any]:
+        timings = {"engine_s": chunk.timings_s}
+        if self.first_delta_s is not None:
+            timings["since_first_delta_s"] = round(time.perf_counter() - self.first_delta_s, 6)
+        return {"type": "audio.chunk", **chunk_fields(chunk), "bytes": len(chunk.data),
+                "timings": timings}
+
+    # ---- the whole session -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        pieces = None
+        admitted = False
+        close_code = CLOSE_NORMAL
+        try:
+            start = await self.start()
+            try:
+                self.admission.acquire(self.key)
+            except ApiError as error:
+                raise SessionEnd(_api_error_event(error), CLOSE_POLICY) from None
+            admitted = True
+            self.metrics.stream_started()
+            pieces = await self.open(start)
+            await self.send({"type": "session.started", "session_id": self.request_id,
+                             "response_format": start.response_format,
+                             "sample_rate": start.sample_rate})
+            await self.relay(pieces)
+        except SessionEnd as end:
+            close_code = end.close_code
+            if end.event is not None:
+                try:
+                    await self.send(end.event)
+                except (WebSocketDisconnect, RuntimeError):  # the client left meanwhile
+                    close_code = None
+        except WebSocketDisconnect:
+            close_code = None
+        finally:
+            if self.upstream is not None:
+                self.upstream.cancel()  # no-op once finished; else it frees the engine slot now
+            if admitted:
+                self.metrics.stream_ended()
+                self.admission.release(self.key)
+        if close_code is not None:
+            await self.socket.close(close_code)
+
+    async def relay(self, pieces: Any) -> None:
+        """Text in and audio out at once; whichever ends the session first stops the other."""
+        tasks = [asyncio.create_task(self.read_text()), asyncio.create_task(self.write_audio(pieces))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+        for task in done:
+            task.result()  # raises the SessionEnd (or disconnect) that ended the session
+
+
+@router.websocket(ROUTE)
+async def speech_socket(socket: WebSocket) -> None:
+    """Text in as it is produced, audio out as it is ready (module docstring: the protocol)."""
+    await socket.accept()
+    session = SpeechSession(socket)
+    try:
+        await session.run()
+    except WebSocketDisconnect:
+        pass
+    except Exception:
+        logger.exception("session %s failed", session.request_id)
+        await socket.close(CLOSE_ERROR)

@@ -1,0 +1,243 @@
+"""``WS /v1/audio/speech/stream`` against the real app: text streamed in, audio streamed out."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from tests.serving.conftest import Server, wait_ready
+
+pytestmark = pytest.mark.slow
+
+ROUTE = "/v1/audio/speech/stream"
+RECEIVE_TIMEOUT_S = 120
+# Long enough that, fed a word every 50 ms, the feeding lasts far beyond a slow first chunk.
+WORDS = " ".join(f"Sentence {n} is spoken, clause by clause, while more text arrives."
+                 for n in range(1, 41)).split(" ")
+
+
+def open_socket(server: Server, headers: dict[str, str] | None = None) -> ClientConnection:
+    url = server.base_url.replace("http://", "ws://") + ROUTE
+    return connect(url, additional_headers=server.auth if headers is None else headers,
+                   max_size=None, open_timeout=60)
+
+
+def send(socket: ClientConnection, kind: str, **fields: Any) -> None:
+    socket.send(json.dumps({"type": kind, **fields}))
+
+
+def receive_event(socket: ClientConnection) -> dict[str, Any]:
+    """The next JSON event (binary frames before it are skipped)."""
+    while True:
+        message = socket.recv(timeout=RECEIVE_TIMEOUT_S)
+        if isinstance(message, str):
+            return json.loads(message)
+
+
+def start(socket: ClientConnection, **fields: Any) -> dict[str, Any]:
+    send(socket, "session.start", response_format="pcm", sample_rate=24000, **fields)
+    started = receive_event(socket)
+    assert started["type"] == "session.started", started
+    return started
+
+
+def drain(socket: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
+    """Every event and all audio until the server closes the socket."""
+    events, audio = [], bytearray()
+    try:
+        while True:
+            message = socket.recv(timeout=RECEIVE_TIMEOUT_S)
+            if isinstance(message, bytes):
+                audio.extend(message)
+            else:
+                events.append(json.loads(message))
+    except ConnectionClosed:
+        pass
+    return events, bytes(audio)
+
+
+def engine_stats(server: Server) -> dict[str, int]:
+    return server.synthesizer_stats()["engine"]
+
+
+def test_audio_arrives_while_text_is_still_being_fed(server: Server) -> None:
+    with open_socket(server) as socket:
+        start(socket)
+        state = {"done_sent": False}
+        audio_seen = threading.Event()
+
+        def feed() -> None:
+            for index, word in enumerate(WORDS):
+                send(socket, "input_text.delta", delta=word if index == 0 else " " + word)
+                if audio_seen.wait(0.05):
+                    break  # the point is made: the rest may go at once
+            for word in WORDS[index + 1:]:
+                send(socket, "input_text.delta", delta=" " + word)
+            state["done_sent"] = True
+            send(socket, "input_text.done")
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        first = socket.recv(timeout=RECEIVE_TIMEOUT_S)
+        while isinstance(first, str):
+            event = json.loads(first)
+            assert event["type"] == "audio.chunk", event
+            first = socket.recv(timeout=RECEIVE_TIMEOUT_S)
+        audio_before_done = not state["done_sent"]
+        audio_seen.set()
+        events, audio = drain(socket)
+        feeder.join()
+    assert audio_before_done, "no audio before input_text.done was sent"
+    chunks = [e for e in events if e["type"] == "audio.chunk"]
+    assert events[-1]["type"] == "response.done", events[-1]
+    usage = events[-1]["usage"]
+    assert usage["input_tokens"] == len(" ".join(WORDS))  # piper counts characters
+    # Every binary frame was announced by its chunk event (the first one was read above).
+    assert sum(c["bytes"] for c in chunks) == len(audio)
+    assert all(c["timings"]["since_first_delta_s"] >= 0 for c in chunks)
+    assert len(first) + len(audio) > 24000 * 2 * 5
+
+
+def test_cancel_frees_the_engine_slot(server: Server) -> None:
+    before = engine_stats(server)
+    with open_socket(server) as socket:
+        start(socket)
+        send(socket, "input_text.delta", delta=" ".join(WORDS[:60]))
+        assert isinstance(socket.recv(timeout=RECEIVE_TIMEOUT_S), (str, bytes))
+        send(socket, "cancel")
+        events, _ = drain(socket)
+    assert events[-1]["type"] == "response.cancelled", events[-1]
+    deadline = time.monotonic() + 30
+    stats = engine_stats(server)
+    while stats["active_streams"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = engine_stats(server)
+    assert stats["active_streams"] == 0
+    assert stats["aborted"] == before["aborted"] + 1
+
+
+def test_hostile_messages_get_error_events_and_the_service_keeps_serving(
+        server: Server) -> None:
+    with open_socket(server) as socket:
+        socket.send(b"\x00\x01binary")
+        assert receive_event(socket)["error"]["code"] == "binary_message"
+        send(socket, "input_text.delta", delta="too early")
+        assert receive_event(socket)["error"]["code"] == "session_not_started"
+        socket.send("{not json")
+        assert receive_event(socket)["error"]["code"] == "invalid_json"
+        send(socket, "session.start", sample_rate=12345)
+        assert receive_event(socket)["error"]["param"] == "sample_rate"
+        start(socket)
+        send(socket, "speak.louder")
+        assert receive_event(socket)["error"]["code"] == "unknown_type"
+        send(socket, "input_text.delta", delta="x" * 5000)
+        assert receive_event(socket)["error"]["code"] == "delta_too_long"
+        send(socket, "input_text.delta", delta=42)
+        assert receive_event(socket)["error"]["param"] == "delta"
+        send(socket, "input_text.delta", delta="Still speaking after all that.")
+        send(socket, "input_text.done")
+        send(socket, "input_text.delta", delta="And this comes too late.")
+        events, audio = drain(socket)
+    codes = [e["error"]["code"] for e in events if e["type"] == "error"]
+    assert codes == ["input_done"]
+    assert events[-1]["type"] == "response.done" and len(audio) > 24000
+    reply = httpx.post(f"{server.base_url}/v1/audio/speech", headers=server.auth, timeout=120,
+                       json={"model": "tts-1", "voice": "alloy", "input": "Still here."})
+    assert reply.status_code == 200
+
+
+def test_auth_by_header_or_api_key_field(server: Server) -> None:
+    with open_socket(server, headers={}) as socket:
+        send(socket, "session.start", api_key="wrong")
+        event = receive_event(socket)
+        assert event["error"]["code"] == "invalid_api_key"
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv(timeout=RECEIVE_TIMEOUT_S)
+        assert closed.value.rcvd.code == 1008
+    with open_socket(server, headers={}) as socket:
+        start(socket, api_key=server.api_key)
+        send(socket, "input_text.delta", delta="Keys in the message work for browsers.")
+        send(socket, "input_text.done")
+        events, audio = drain(socket)
+    assert events[-1]["type"] == "response.done" and audio
+
+
+# ---- several Synthesizer replicas: text reaches the replica that holds its stream -----------
+
+PINNED_APP, PINNED_PREFIX = "pinned", "/pinned"
+
+
+@pytest.fixture(scope="module")
+def two_replicas(server: Server) -> Server:
+    """The session's graph again, with two Synthesizer replicas, under /pinned."""
+    from ray import serve
+
+    from serve_app.config import ApiConfig
+    from serve_app.encoder import AudioEncoder
+    from serve_app.ingress import Ingress
+    from serve_app.synthesizer import Synthesizer
+
+    synthesizer = Synthesizer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.1}).bind(
+        "piper", {"intra_op_threads": 1, "max_batch_size": 4})
+    encoder = AudioEncoder.options(ray_actor_options={"num_cpus": 0.05}).bind(synthesizer)
+    ingress = Ingress.options(ray_actor_options={"num_cpus": 0.05}).bind(
+        encoder, synthesizer, ApiConfig(api_key=server.api_key).model_dump())
+    serve.run(ingress, name=PINNED_APP, route_prefix=PINNED_PREFIX)
+    app = Server(base_url=f"{server.base_url}{PINNED_PREFIX}", api_key=server.api_key,
+                 metrics_url=server.metrics_url)
+    wait_ready(app.base_url, "the two-replica app")
+    yield app
+    serve.delete(PINNED_APP)
+
+
+def synthesizer_replica_ids() -> list[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{PINNED_APP}#Synthesizer#"
+    return [actor["name"][len(prefix):] for actor in ray.util.list_named_actors(True)
+            if actor["name"].startswith(prefix)]
+
+
+def test_pinned_calls_reach_only_their_replica(two_replicas: Server) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Synthesizer", app_name=PINNED_APP)
+    replica_ids = synthesizer_replica_ids()
+    assert len(replica_ids) == 2
+    for replica_id in replica_ids:
+        for _ in range(8):
+            refused = handle.feed_text.remote("no-such-stream", "text",
+                                              pinned_replica=replica_id).result(timeout_s=60)
+            # The replica's own engine answered (a wrong replica would say stream_lost).
+            assert refused.code == "unknown_stream", refused
+
+
+def test_sessions_spread_over_replicas_all_get_their_text(two_replicas: Server) -> None:
+    texts = [f"Session {n} says its own words, {'and more ' * n}then stops." for n in range(4)]
+    results: list[tuple[list[dict[str, Any]], bytes]] = [([], b"")] * len(texts)
+
+    def session(index: int) -> None:
+        with open_socket(two_replicas) as socket:
+            start(socket)
+            for word in texts[index].split(" "):
+                send(socket, "input_text.delta", delta=word + " ")
+            send(socket, "input_text.done")
+            results[index] = drain(socket)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for text, (events, audio) in zip(texts, results):
+        assert events[-1]["type"] == "response.done", events[-1]
+        assert not [e for e in events if e["type"] == "error"]
+        assert events[-1]["usage"]["input_tokens"] == len(text) + 1  # each word plus a space
+        assert len(audio) > 24000
