@@ -15,7 +15,6 @@ from serve_app.engines.registry import create_engine
 from serve_app.engines.streamed_text import complete_clauses
 from tests.engines.streams import (
     FEED_ERROR_CODES,
-    drain,
     feed_error_codes,
     finish_while_one_waits,
 )

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app import metrics
-from tests.serving.conftest import Server
+from tests.serving.conftest import APP_NAME, Server
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,15 @@ Samples = list[tuple[dict[str, str], float]]
 
 
 def scrape(server: Server) -> dict[str, Samples]:
-    """Every sample on the export port, by sample name (``_bucket``/``_count`` names kept)."""
+    """The session app's samples on the export port, by sample name (``_bucket``/``_count``
+    names kept). Other test modules deploy apps of their own on this cluster, and Ray keeps
+    exporting a deleted app's last values for a while: their series are left out."""
     text = httpx.get(server.metrics_url, timeout=10).text
     samples: dict[str, Samples] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+            if sample.labels.get("application", APP_NAME) == APP_NAME:
+                samples.setdefault(sample.name, []).append((sample.labels, sample.value))
     return samples
 
 
