@@ -12,14 +12,12 @@ Streaming and batching:
   :class:`AudioChunk`.
 - One step loop serves every admitted stream (continuous batching): each step takes the next
   piece of up to ``max_batch_size`` streams, round robin, and runs them as one padded ONNX batch
-  (``input`` [batch, phonemes] with ``input_lengths``). A stream submitted mid-flight joins at the
-  next step. Batch > 1 needs each row's true length: the model's duration tensor (``w_ceil``) is
-  exposed as an extra output with piper's own ``add_alignment_output`` (needs the ``onnx``
-  package); without it the engine runs batch 1. A padded row matches the same piece run alone
-  within about 1e-4 (float rounding of differently shaped kernels), not bit for bit.
-- Reproducibility: the graph draws its noise inside ONNX Runtime with no per-request seed, so a
-  request that carries ``seed`` is synthesized with both noise scales at 0, which is exactly
-  deterministic; requests without a seed use the voice's noise scales.
+  (``input`` [batch, phonemes] with ``input_lengths``); a stream submitted mid-flight joins at the
+  next step. Batch > 1 reads each row's length from the duration tensor that piper's
+  ``add_alignment_output`` exposes (needs ``onnx``; else batch 1); a padded row matches the piece
+  run alone within about 1e-4.
+- Reproducibility: ONNX Runtime draws the noise with no per-request seed, so a request with
+  ``seed`` runs with both noise scales at 0 (exactly deterministic).
 - Streamed text input (``text_input="streamed"``): the text fed so far is spoken clause by
   clause as clauses complete (see :func:`~.streamed_text.complete_clauses`).
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
@@ -57,7 +55,7 @@ from serve_app.engines.base import (
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
-from serve_app.engines.piper_voice import cut_phonemes, load_voice, synthesize_batch
+from serve_app.engines.piper_voice import load_voice, phoneme_pieces, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 from serve_app.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
 
@@ -67,9 +65,7 @@ VOICE_NAME = "joe"
 MODEL_ID = "piper-en_US-joe-medium"
 MIN_SPEED = 0.25
 MAX_SPEED = 4.0
-_CLAUSE_BREAK = ","
-# Texts whose phoneme pieces are kept: validate's, for the step that phonemizes them next.
-_PHONEMIZED_TEXTS_KEPT = 32
+_PHONEMIZED_TEXTS_KEPT = 32  # validate's phoneme pieces, kept for the step that speaks them
 _WARMUP_TEXT = ("Warming up the voice with one long sentence that keeps on going for a while, "
                 "so that the first real request of a similar length finds every buffer ready.")
 
@@ -113,6 +109,7 @@ class PiperEngine:
         self.sample_rate_hz: int = self._config.sample_rate
         self.max_batch_size = max_batch_size if has_durations else 1
         self._has_durations = has_durations
+        self._synthesize_rows = functools.partial(synthesize_batch, voice, has_durations)
         self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
         self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
         self._max_sentence_phonemes = max_sentence_phonemes
@@ -216,7 +213,7 @@ class PiperEngine:
         ids = self._phoneme_pieces(_WARMUP_TEXT)[0]
         # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
-        self._synthesize([ids] * rows, (self._noise_scale, self._config.length_scale,
+        self._synthesize_rows([ids] * rows, (self._noise_scale, self._config.length_scale,
                                         self._noise_w_scale))
 
     def close(self) -> None:
@@ -315,13 +312,13 @@ class PiperEngine:
                 results[index] = exc
         for scales, rows in groups.items():
             try:
-                audios = self._synthesize([ids for _, ids in rows], scales)
+                audios = self._synthesize_rows([ids for _, ids in rows], scales)
             except Exception:
                 logger.exception("batched synthesis failed; retrying rows one by one")
                 audios = []
                 for _, ids in rows:
                     try:
-                        audios.append(self._synthesize([ids], scales)[0])
+                        audios.append(self._synthesize_rows([ids], scales)[0])
                     except Exception as exc:
                         audios.append(exc)
             for (index, _), audio in zip(rows, audios):
@@ -394,25 +391,10 @@ class PiperEngine:
             return (0.0, length_scale, 0.0)
         return (self._noise_scale, length_scale, self._noise_w_scale)
 
-    def _synthesize(self, rows: list[list[int]], scales: Scales) -> list[np.ndarray]:
-        return synthesize_batch(self._voice, self._has_durations, rows, scales)
-
     def _phonemize_locked(self, text: str) -> tuple[tuple[int, ...], ...]:
         with self._espeak_lock:
             return tuple(tuple(ids) for ids in self._phonemize(text))
 
     def _phonemize(self, text: str, first: bool = True) -> list[list[int]]:
-        """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.
-
-        The stream's ``first`` piece is held to ``first_piece_phonemes`` (cut at a comma if one
-        fits), since the time to first audio is the time to synthesize it.
-        """
-        parts: list[list[str]] = []
-        for index, phonemes in enumerate(self._voice.phonemize(text)):
-            if index == 0 and first and self._first_piece_phonemes:
-                head, phonemes = cut_phonemes(phonemes, self._first_piece_phonemes, prefer=_CLAUSE_BREAK)
-                parts.append(head)
-            while phonemes:
-                head, phonemes = cut_phonemes(phonemes, self._max_sentence_phonemes)
-                parts.append(head)
-        return [self._voice.phonemes_to_ids(part) for part in parts if part]
+        return phoneme_pieces(self._voice, text, self._max_sentence_phonemes,
+                              self._first_piece_phonemes if first else 0)

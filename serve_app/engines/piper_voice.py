@@ -92,6 +92,24 @@ def cut_phonemes(phonemes: list[str], limit: int, prefer: str | None = None
     return phonemes[:cut], phonemes[cut:]
 
 
+def phoneme_pieces(voice: PiperVoice, text: str, max_phonemes: int,
+                   first_piece_phonemes: int = 0) -> list[list[int]]:
+    """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.
+
+    With ``first_piece_phonemes``, the first piece is held to that many phonemes (cut at a comma
+    if one fits), since the time to first audio is the time to synthesize it.
+    """
+    parts: list[list[str]] = []
+    for index, phonemes in enumerate(voice.phonemize(text)):
+        if index == 0 and first_piece_phonemes:
+            head, phonemes = cut_phonemes(phonemes, first_piece_phonemes, prefer=",")
+            parts.append(head)
+        while phonemes:
+            head, phonemes = cut_phonemes(phonemes, max_phonemes)
+            parts.append(head)
+    return [voice.phonemes_to_ids(part) for part in parts if part]
+
+
 def normalize(audio: np.ndarray) -> np.ndarray:
     """Peak-normalize like ``PiperVoice.synthesize`` (normalize_audio=True, volume 1)."""
     peak = float(np.max(np.abs(audio))) if audio.size else 0.0
