@@ -12,6 +12,7 @@ from serve_app.engines.base import InvalidRequestError, SamplingParams, SpeechRe
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine, StreamPlan
 from serve_app.engines.minicpmo.loader import load_speech_model
 from tests.golden.checkpoint import load_expected, load_manifest
+from tests.engines.minicpmo.tiny_engine import tiny_engine
 
 GOLDEN_PROMPT = "<|im_start|>user\nHi, how are you?<|im_end|>\n"
 STREAM_CASES = ["stream_short", "stream_medium", "stream_read", "stream_long"]
@@ -19,11 +20,7 @@ STREAM_CASES = ["stream_short", "stream_medium", "stream_read", "stream_long"]
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
-    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=8,
-                            max_chat_slots=4, tts_max_positions=1024, llm_max_positions=256,
-                            tts_sampling="greedy", keep_traces=True)
-    engine = MiniCPMOEngine(model, options)
+    engine = tiny_engine(tiny_checkpoint, max_slots=8, max_chat_slots=4)
     yield engine
     engine.close()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from serve_app.engines.base import (
     InvalidRequestError,
@@ -14,8 +13,8 @@ from serve_app.engines.base import (
     RequestAbortedError,
     SpeechRequest,
 )
-from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine, StreamPlan
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.engine import MiniCPMOEngine, StreamPlan
+from tests.engines.minicpmo.tiny_engine import tiny_engine
 from tests.engines.streams import (
     FEED_ERROR_CODES,
     drain,
@@ -33,11 +32,7 @@ pytestmark = pytest.mark.timeout(900)  # guards against a hang only; nothing her
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
-    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=3,
-                            max_chat_slots=1, tts_max_positions=1024, llm_max_positions=256,
-                            tts_sampling="greedy", keep_traces=True)
-    engine = MiniCPMOEngine(model, options)
+    engine = tiny_engine(tiny_checkpoint, max_slots=3, max_chat_slots=1)
     yield engine
     engine.close()
 

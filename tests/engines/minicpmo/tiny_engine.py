@@ -1,0 +1,17 @@
+"""The real engine on the tiny golden checkpoint, on the CPU, greedy, keeping its traces."""
+
+from __future__ import annotations
+
+import torch
+
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
+from serve_app.engines.minicpmo.loader import load_speech_model
+
+
+def tiny_engine(checkpoint, max_slots: int, max_chat_slots: int) -> MiniCPMOEngine:
+    model = load_speech_model(str(checkpoint), device="cpu", dtype=torch.float32)
+    options = EngineOptions(model=str(checkpoint), device="cpu", dtype="float32",
+                            max_slots=max_slots, max_chat_slots=max_chat_slots,
+                            tts_max_positions=1024, llm_max_positions=256,
+                            tts_sampling="greedy", keep_traces=True)
+    return MiniCPMOEngine(model, options)
