@@ -18,7 +18,7 @@ DURATION_S = 60
 def test_a_minute_of_mixed_load_with_a_crash_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration-s", str(DURATION_S),
+        [sys.executable, "-m", "loadtest.soak", "--duration-s", str(DURATION_S),
          "--crash-at-s", "20", "--concurrency", "4", "--port", "8791", "--out", str(out),
          "--log", str(tmp_path / "serve.log")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)

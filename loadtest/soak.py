@@ -5,7 +5,7 @@ all, plus an API key and the engine's fault injection) on a fresh local Ray clus
 127.0.0.1 only, for a given time; then stops it and writes a JSON report: requests accepted, completed, errored, lost (must be 0), client disconnects, status
 codes, 5xx inside and outside the crash window, TTFB, and the replicas' memory at start and end.
 
-    scripts/soak --duration-s 600 --out docs/soak-cpu.json
+    scripts/soak --duration-s 600 --out docs/soak-cpu.json    (or: python -m loadtest.soak ...)
 
 A request is *accepted* when its 200 headers arrive; it then ends *completed* (the whole body, a
 valid stream of its format), *errored* (the chunked body cut short: the service's explicit
@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -31,8 +30,7 @@ from typing import Any
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.service import replicas, start_service, stop_service  # noqa: E402
+from loadtest.service import replicas, start_service, stop_service
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "soak"
