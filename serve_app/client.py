@@ -13,7 +13,6 @@ seconds are counted live for ``pcm`` and ``wav``; compressed formats are decoded
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import time
@@ -22,10 +21,9 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 import httpx
-import numpy as np
-import soundfile as sf
 
 from serve_app.audio import FORMATS, SAMPLE_RATES_HZ
+from serve_app.audio.decoding import read_stream
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 WAV_HEADER_BYTES = 44
@@ -62,24 +60,12 @@ def live_audio_s(audio_format: str, size: int, sample_rate_hz: int) -> float | N
 
 
 def decoded_audio_s(data: bytes) -> float | None:
-    """Seconds of audio in a complete mp3/opus/flac stream, by decoding it.
-
-    The served FLAC says "length unknown" and soundfile's read() fails on its final seek, so
-    frames are pulled through libsndfile's frame reader directly.
-    """
+    """Seconds of audio in a complete mp3/opus/flac stream, by decoding it."""
     try:
-        with sf.SoundFile(io.BytesIO(data)) as handle:
-            block = np.zeros(8192 * handle.channels, dtype=np.float32)
-            frames = 0
-            while True:
-                got = sf._snd.sf_readf_float(handle._file,
-                                             sf._ffi.cast("float *", block.ctypes.data),
-                                             len(block) // handle.channels)
-                if got <= 0:
-                    return frames / handle.samplerate
-                frames += got
+        samples, rate = read_stream(data)
     except Exception:  # an undecodable stream just has no duration to report
         return None
+    return len(samples) / rate
 
 
 class Progress:
