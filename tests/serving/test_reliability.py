@@ -41,7 +41,7 @@ MAX_STREAM_S = 16.0
 # Generous for a busy two-core machine; SLOW's delay stays well below the chunk timeout.
 FIRST_CHUNK_TIMEOUT_S = 12.0
 CHUNK_TIMEOUT_S = 10.0
-SLOW_DELAY_S = 2.0
+SLOW_DELAY_S = 4.0
 BODY_TIMEOUT_S = 2.0
 SYNTH_MAX_ONGOING = 4
 SYNTH_MAX_QUEUED = 2
@@ -311,10 +311,14 @@ def test_a_slow_stream_is_cut_at_the_wall_clock_limit(hardened: Hardened) -> Non
 def test_overload_beyond_the_bounded_queues_is_503_json_with_retry_after(
         hardened: Hardened) -> None:
     keys = [*FILE_KEYS, ENV_KEY]
+    # All requests leave together, however slowly a busy machine starts the threads; each
+    # admitted stream then holds its place for SLOW_DELAY_S, far longer than the burst takes.
+    together = threading.Barrier(MAX_STREAMS + 2)
 
     def one(index: int) -> StreamResult:
         with hardened.client(keys[index % len(keys)]) as client:
-            # One chunk, 2 s late: the queued ones get their turn in time.
+            together.wait(60)
+            # One chunk, SLOW_DELAY_S late: the queued ones still get their turn in time.
             return stream_all(client, f"{SLOW} Hi.")
 
     # More streams than the synthesizer runs and queues (4 + 2) and than the ingress admits (8).
