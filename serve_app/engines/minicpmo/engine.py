@@ -116,11 +116,10 @@ class MiniCPMOEngine:
         if request.speed != 1.0:
             raise InvalidRequestError("this engine speaks at speed 1.0 only", "speed")
         request.sampling.validate()
-        prompt_tokens = len(self.model.tokenizer(self._prompt_text(request),
-                                                  add_special_tokens=False)["input_ids"])
-        prompt_tokens += len(self._gen_prompt_ids)
-        if request.mode == "chat":
-            budget = self.options.llm_max_positions - prompt_tokens
+        if request.mode == "chat":  # the answer needs room in the LLM cache after the prompt
+            prompt_tokens = len(self.model.tokenizer(self._prompt_text(request),
+                                                      add_special_tokens=False)["input_ids"])
+            budget = self.options.llm_max_positions - prompt_tokens - len(self._gen_prompt_ids)
             if budget < PIECE_TOKENS + 1:
                 raise InvalidRequestError("text is too long for a chat turn", "text",
                                           code="text_too_long")
@@ -133,13 +132,17 @@ class MiniCPMOEngine:
     def plan(self, request: SpeechRequest) -> StreamPlan:
         prompt = self._prompt_text(request)
         tok = self.model.tokenizer
+        # Tokenized here, in the caller's thread, not in the engine's step thread.
+        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         if request.text_input == "streamed":
             feed = TextFeed(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.decode)
-            return StreamPlan(request, prompt, feed.push(request.text), text_feed=feed)
+            return StreamPlan(request, prompt, feed.push(request.text), text_feed=feed,
+                              prompt_ids=prompt_ids)
         if request.mode == "read":
             ids = tok(request.text, add_special_tokens=False)["input_ids"]
-            return StreamPlan(request, prompt, cut_into_pieces(ids, tok.decode))
-        return StreamPlan(request, prompt, None)
+            return StreamPlan(request, prompt, cut_into_pieces(ids, tok.decode),
+                              prompt_ids=prompt_ids)
+        return StreamPlan(request, prompt, None, prompt_ids=prompt_ids)
 
     @property
     def benchmark(self) -> dict | None:

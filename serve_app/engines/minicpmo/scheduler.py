@@ -29,6 +29,8 @@ class StreamPlan:
     prompt: str
     pieces: list[str] | None
     text_feed: TextFeed | None = None
+    # The prompt's token ids, when the caller has them: the step thread then need not tokenize.
+    prompt_ids: list[int] | None = None
 
     @property
     def is_chat(self) -> bool:

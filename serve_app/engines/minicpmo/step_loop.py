@@ -144,8 +144,9 @@ class StepLoop:
     def _prefill(self, streams: list[Stream]) -> None:
         """Prefill the prompts of newly admitted streams, :data:`PREFILL_BATCH` per pass."""
         tok = self.model.tokenizer
-        prompts = [tok(s.plan.prompt, add_special_tokens=False)["input_ids"] + self._gen_prompt_ids
-                   for s in streams]
+        prompts = [(s.plan.prompt_ids if s.plan.prompt_ids is not None
+                    else tok(s.plan.prompt, add_special_tokens=False)["input_ids"])
+                   + self._gen_prompt_ids for s in streams]
         for start in range(0, len(streams), PREFILL_BATCH):
             part = slice(start, start + PREFILL_BATCH)
             self._prefill_pass(streams[part], prompts[part])
