@@ -329,7 +329,10 @@ def test_overload_beyond_the_bounded_queues_is_503_json_with_retry_after(
     # a burst spread over few keys can hit first); both are JSON errors, nothing else appears.
     assert {r.status for r in results} <= {200, 429, 503}, seen
     refused = sum(r.status in (429, 503) for r in results)
-    assert refused >= MAX_STREAMS + 2 - SYNTH_MAX_ONGOING - SYNTH_MAX_QUEUED, seen
+    # The ingress's own bound refuses at least the two beyond MAX_STREAMS (the burst is all in
+    # flight at once). How many more Serve's queue bounds refuse depends on when its router
+    # sees the replicas' queues, so it is not asserted.
+    assert refused >= 2, seen
     for result in results:
         # Nothing hangs: the client's 60 s read timeout would show as an error.
         assert result.elapsed_s < 60, seen
