@@ -281,7 +281,6 @@ class SpeechSession:
     # ---- the whole session -----------------------------------------------------------------
 
     async def run(self) -> None:
-        pieces = None
         admitted = False
         close_code = CLOSE_NORMAL
         try:
