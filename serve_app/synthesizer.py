@@ -1,5 +1,9 @@
 """Synthesizer deployment: owns the engine and admits requests into it in ``@serve.batch`` batches.
 
+The engine runs in a process of its own (:mod:`serve_app.engine_process`), so nothing this
+replica does for Ray and HTTP (relaying chunks, pickling them, metrics) competes with the
+engine's step thread for the GIL; :class:`~serve_app.engine_client.EngineClient` is this side.
+
 The batch is admission only: requests that arrive together are submitted to the engine as one
 batch (their prefills share a pass), and each request gets its own stream back at once. How many
 streams run is then bounded by the engine's slots and ``max_ongoing_requests``; a long stream
@@ -12,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from typing import Any, AsyncIterator
@@ -21,6 +24,7 @@ from ray import serve
 
 from serve_app import errors
 from serve_app.config import BatchingConfig
+from serve_app.engine_client import EngineClient, EngineDeadError
 from serve_app.engines.base import (
     AudioChunk,
     EngineOverloadedError,
@@ -28,31 +32,29 @@ from serve_app.engines.base import (
     SpeechRequest,
     refuse_unsupported,
 )
-from serve_app.engines.registry import create_engine
 from serve_app.errors import ApiError
 from serve_app.hops import StreamTimeout, within
 from serve_app.logs import use_replica_log
 from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
 from serve_app.metrics import SynthesizerMetrics
 from serve_app.routing import ROUTER_PATH
-from serve_app.usage import stream_usage
 
 logger = logging.getLogger(__name__)
 
 # How often the engine gauges are refreshed while the engine is busy.
 METRICS_REFRESH_S = 0.5
-# The engine's step thread gives up the GIL at every GPU sync and must get it back at once;
-# with Python's default 5 ms, Serve's event-loop threads can hold it that long per hand-back.
-GIL_SWITCH_INTERVAL_S = 0.001
 
 Admitted = AsyncIterator[AudioChunk] | ApiError
 StreamItem = AudioChunk | ApiError | StreamUsage | TextInputOpen
 
 
-def _refused(exc: InvalidRequestError | EngineOverloadedError) -> ApiError:
+def _refused(request_id: str, exc: BaseException) -> ApiError:
+    """The ApiError for an engine's refusal of (or failure to take) a request."""
     if isinstance(exc, EngineOverloadedError):
         return errors.overloaded()
-    return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
+    if isinstance(exc, InvalidRequestError):
+        return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
+    return errors.synthesis_unavailable(request_id, exc)  # the engine process is gone
 
 
 # Fractional CPU by default so the whole app fits two cores; the YAML overrides per profile.
@@ -64,6 +66,9 @@ def _refused(exc: InvalidRequestError | EngineOverloadedError) -> ApiError:
 class Synthesizer:
     """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
+    If the engine process dies, open streams end with a 503 error and the health check fails,
+    so Serve replaces the replica.
+
     Timeouts: a stream waits at most ``first_chunk_timeout_s`` for its first chunk (admission
     included) and ``chunk_timeout_s`` for each later one, else it is aborted and ends with a 504
     error. On shutdown it waits up to ``drain_timeout_s`` for active streams (Serve drains first).
@@ -73,14 +78,13 @@ class Synthesizer:
                  first_chunk_timeout_s: float = 60.0, chunk_timeout_s: float = 30.0,
                  drain_timeout_s: float = 60.0) -> None:
         use_replica_log()
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._engine_name = engine
         self._first_chunk_timeout_s = first_chunk_timeout_s
         self._chunk_timeout_s = chunk_timeout_s
         self._drain_timeout_s = drain_timeout_s
         self._in_flight = 0
-        self._engine = create_engine(engine, engine_options)
-        self._engine.warmup()
+        # Loaded and warmed up in its own process before this returns.
+        self._engine = EngineClient.start(engine, engine_options)
         self._batch_sizes: Counter[int] = Counter()
         self._metrics = SynthesizerMetrics()
         self._waiting_for_admission: set[str] = set()
@@ -123,7 +127,7 @@ class Synthesizer:
                              f"({self._first_chunk_timeout_s:g} s): every request would time out")
         context = serve.get_replica_context()
         max_ongoing = context._deployment_config.max_ongoing_requests if context else None
-        slots = self._engine.stats().max_slots
+        slots = self._engine.max_slots
         if max_ongoing is not None and config.max_batch_size > max_ongoing:
             logger.warning("max_batch_size %d > max_ongoing_requests %d: no batch can fill, each "
                            "waits batch_wait_timeout_s", config.max_batch_size, max_ongoing)
@@ -145,7 +149,7 @@ class Synthesizer:
         try:
             refuse_unsupported(self._engine, request)
         except InvalidRequestError as exc:
-            yield _refused(exc)
+            yield _refused(request.request_id, exc)
             return
         request_id = request.request_id
         self._waiting_for_admission.add(request_id)
@@ -166,12 +170,15 @@ class Synthesizer:
                     samples += len(item.samples)
             else:
                 text = "".join(self._fed_text.get(request_id, [request.text]))
-                yield stream_usage(self._engine, request, text, samples)
+                yield await self._engine.usage(request, text, samples)
             finished = True
         except StreamTimeout as exc:
             finished = True
             self._engine.abort(request_id)
             yield errors.timed_out(request_id, "the engine", exc.waited_s)
+        except EngineDeadError as exc:
+            finished = True
+            yield errors.synthesis_unavailable(request_id, exc)
         except Exception as exc:  # one failing stream never ends the others
             finished = True
             self._engine.abort(request_id)
@@ -197,8 +204,8 @@ class Synthesizer:
         async for chunk in admitted:
             yield chunk
 
-    def feed_text(self, request_id: str, delta: str, done: bool = False, *,
-                  pinned_replica: str) -> ApiError | None:
+    async def feed_text(self, request_id: str, delta: str, done: bool = False, *,
+                        pinned_replica: str) -> ApiError | None:
         """Append text to a streamed-input request of this replica's engine (routed here by
         :class:`~serve_app.routing.PinnedReplicaRouter`); a refusal comes back as an ApiError."""
         if pinned_replica != serve.get_replica_context().replica_id.unique_id:
@@ -206,9 +213,9 @@ class Synthesizer:
                          pinned_replica)
             return ApiError(503, "the stream's replica is gone", code="stream_lost")
         try:
-            self._engine.feed_text(request_id, delta, done)
-        except InvalidRequestError as exc:
-            return _refused(exc)
+            await self._engine.feed_text(request_id, delta, done)
+        except (InvalidRequestError, EngineDeadError) as exc:
+            return _refused(request_id, exc)
         fed = self._fed_text.get(request_id)
         if fed is not None:
             fed.append(delta)
@@ -218,16 +225,12 @@ class Synthesizer:
         """Batched body: submit the batch and hand each request its stream; returns at once."""
         self._batch_sizes[len(requests)] += 1
         try:
-            return list(self._engine.submit(requests))
-        except (InvalidRequestError, EngineOverloadedError):
-            # One bad request must not sink its batch: admit the others one by one.
-            admitted: list[Admitted] = []
-            for request in requests:
-                try:
-                    admitted.extend(self._engine.submit([request]))
-                except (InvalidRequestError, EngineOverloadedError) as exc:
-                    admitted.append(_refused(exc))
-            return admitted
+            # One bad request never sinks its batch: the engine process refuses it alone.
+            outcomes = await self._engine.submit(requests)
+        except Exception as exc:  # the engine process is gone (or failed the whole call)
+            return [_refused(request.request_id, exc) for request in requests]
+        return [_refused(request.request_id, outcome) if isinstance(outcome, Exception)
+                else outcome for request, outcome in zip(requests, outcomes)]
 
     def _watch_metrics(self) -> None:
         if self._metrics_task is None or self._metrics_task.done():
@@ -251,26 +254,32 @@ class Synthesizer:
     def ready(self) -> bool:
         return self._ready
 
-    def info(self) -> EngineInfo:
-        return EngineInfo(engine=self._engine_name,
-                          model_id=getattr(self._engine, "model_id", self._engine_name),
-                          sample_rate_hz=self._engine.sample_rate_hz,
-                          voices=list(self._engine.voices()), modes=list(self._engine.modes),
-                          benchmark=getattr(self._engine, "benchmark", None))
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine process died is replaced."""
+        if not self._engine.alive:
+            raise RuntimeError("the engine process is gone")
 
-    def stats(self) -> dict[str, Any]:
-        """Engine counters plus the sizes of the ``@serve.batch`` batches formed so far."""
+    async def info(self) -> EngineInfo:
+        return EngineInfo(engine=self._engine_name, model_id=self._engine.model_id,
+                          sample_rate_hz=self._engine.sample_rate_hz,
+                          voices=list(await self._engine.voices()),
+                          modes=list(self._engine.modes), benchmark=self._engine.benchmark)
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters (current) plus the sizes of the ``@serve.batch`` batches so far."""
         assert self._batching is not None
         return {
-            "engine": self._engine.stats().as_dict(),
+            "engine": (await self._engine.fresh_stats()).as_dict(),
             "batch_sizes": dict(self._batch_sizes),
             "max_batch_size_formed": max(self._batch_sizes, default=0),
             "batching": self._batching.model_dump(),
         }
 
     def process_info(self) -> dict[str, Any]:
-        """This replica's process id and resident memory, for tests and the soak script."""
-        return {"pid": os.getpid(), "rss_bytes": _rss_bytes()}
+        """This replica's process id and resident memory (and its engine process's), for tests
+        and the soak script."""
+        return {"pid": os.getpid(), "rss_bytes": _rss_bytes(os.getpid()),
+                "engine_pid": self._engine.pid, "engine_rss_bytes": _rss_bytes(self._engine.pid)}
 
     async def __del__(self) -> None:
         """Serve calls this after draining: wait for active streams, then close the engine."""
@@ -282,9 +291,12 @@ class Synthesizer:
             await asyncio.sleep(0.1)
         if self._in_flight:
             logger.warning("shutting down with %d streams still active", self._in_flight)
-        engine.close()
+        await asyncio.to_thread(engine.close)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm", encoding="ascii") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # the process is gone
+        return 0

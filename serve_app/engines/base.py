@@ -37,6 +37,9 @@ class InvalidRequestError(ValueError):
         self.code = code
         self.status_code = status_code
 
+    def __reduce__(self) -> tuple:  # keeps param and code across processes
+        return (type(self), (self.message, self.param, self.code, self.status_code))
+
 
 class EngineOverloadedError(EngineError):
     """No free slot and the engine's own queue is full; maps to 503 with Retry-After."""

@@ -1,0 +1,302 @@
+"""The synthesizer replica's side of the engine process (:mod:`serve_app.engine_process`).
+
+:meth:`EngineClient.start` launches the engine in a child process and waits until it has loaded
+and warmed up. After that every call is asynchronous and cheap for the replica: one reader thread
+receives the engine's batched outputs and hands each batch to the event loop in one wake-up.
+
+Each stream's chunks wait in an :class:`Inbox`. When the replica's loop falls behind, several
+chunks of a stream are waiting by the time it reads them; they leave as one joined chunk, so a
+busy replica relays fewer, larger items instead of falling further behind (nothing waits to be
+joined: a lone chunk leaves at once).
+
+If the engine process dies, every open stream ends with :class:`EngineDeadError`, new requests
+are refused with it, and :attr:`EngineClient.alive` turns False (the synthesizer's health check
+then fails and Serve replaces the replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from serve_app.engines.base import AudioChunk, EngineError, EngineStats, SpeechRequest
+from serve_app.messages import StreamUsage
+
+logger = logging.getLogger(__name__)
+
+# How long close() waits for the engine process to finish before killing it.
+CLOSE_TIMEOUT_S = 30.0
+
+
+class EngineDeadError(EngineError):
+    """The engine process exited; its streams are gone and it takes no more requests."""
+
+
+@dataclass
+class Inbox:
+    """One stream's items as they arrive from the engine process."""
+
+    items: collections.deque = field(default_factory=collections.deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: object) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> AudioChunk:
+        """The next chunk, joined with every chunk already waiting behind it; raises the
+        exception that ended the stream."""
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        first = self.items.popleft()
+        if isinstance(first, BaseException):
+            raise first
+        joined = [first]
+        while (self.items and isinstance(self.items[0], AudioChunk) and not joined[-1].final
+               and self.items[0].sample_rate_hz == first.sample_rate_hz):
+            joined.append(self.items.popleft())
+        return first if len(joined) == 1 else join_chunks(joined)
+
+
+def join_chunks(chunks: list[AudioChunk]) -> AudioChunk:
+    """Consecutive chunks of one stream as one: samples and text in order, every timing kept."""
+    timings: dict[str, float] = {}
+    for chunk in chunks:
+        timings.update(chunk.timings_s)
+    return AudioChunk(chunks[0].request_id, np.concatenate([c.samples for c in chunks]),
+                      chunks[0].sample_rate_hz, text="".join(c.text for c in chunks),
+                      final=chunks[-1].final, timings_s=timings)
+
+
+class EngineClient:
+    """Talks to one engine process; shaped like the engine where the synthesizer needs it
+    (``sample_rate_hz``, ``modes``, ``model_id``, ``follows_instructions``, ...)."""
+
+    def __init__(self, process: subprocess.Popen, conn: Connection, facts: dict[str, Any]) -> None:
+        self._process = process
+        self._conn = conn
+        self._facts = facts
+        self.engine_name: str = facts["engine"]
+        self.sample_rate_hz: int = facts["sample_rate_hz"]
+        self.modes: tuple[str, ...] = facts["modes"]
+        self.model_id: str = facts["model_id"]
+        self.benchmark: dict | None = facts["benchmark"]
+        self.follows_instructions: bool = facts["follows_instructions"]
+        self.clones_voices: bool = facts["clones_voices"]
+        self.max_slots: int = facts["max_slots"]
+        self._stats = EngineStats(max_slots=self.max_slots)
+        self._send_lock = threading.Lock()
+        self._call_ids = itertools.count()
+        self._replies: dict[int, asyncio.Future] = {}
+        self._inboxes: dict[str, Inbox] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: EngineDeadError | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read_forever, name="engine-client-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, engine: str, options: dict[str, Any]) -> "EngineClient":
+        """Launch the engine process and wait until its engine is loaded and warm."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports serve_app from wherever this process found it.
+        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "serve_app.engine_process", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, close_fds=True)
+        theirs.close()
+        conn = Connection(ours.detach())
+        try:
+            conn.send((engine, dict(options)))
+            message = conn.recv()
+        except (EOFError, OSError):
+            code = process.wait()
+            raise RuntimeError(f"the engine process exited with code {code} while starting "
+                               "(its log is in this replica's stderr)") from None
+        if message[0] != "ready":
+            process.wait()
+            raise RuntimeError(f"engine {engine!r} failed to start: {message[1]}")
+        logger.info("engine %s runs in process %d", engine, process.pid)
+        return cls(process, conn, message[1])
+
+    # -- what the synthesizer calls ------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as last pushed (at most ~0.1 s old)."""
+        return self._stats
+
+    async def fresh_stats(self) -> EngineStats:
+        """The engine's counters now."""
+        self._stats = await self.call("stats")
+        return self._stats
+
+    async def submit(self, requests: list[SpeechRequest]
+                     ) -> list[AsyncIterator[AudioChunk] | Exception]:
+        """Submit together; each entry is that request's stream, or the exception that refused
+        it (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
+        if self._dead is not None:
+            return [self._dead for _ in requests]
+        self._bind_loop()
+        for request in requests:
+            self._inboxes[request.request_id] = Inbox()
+        try:
+            refusals = await self.call("submit", requests)
+        except BaseException:
+            for request in requests:
+                self._inboxes.pop(request.request_id, None)
+            raise
+        outcomes: list[AsyncIterator[AudioChunk] | Exception] = []
+        for request, refusal in zip(requests, refusals):
+            if refusal is None:
+                outcomes.append(self._stream(request.request_id))
+            else:
+                self._inboxes.pop(request.request_id, None)
+                outcomes.append(refusal)
+        return outcomes
+
+    def abort(self, request_id: str) -> None:
+        if self._dead is None:
+            self._send(("abort", request_id))
+
+    async def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
+        await self.call("feed_text", request_id, delta, done)
+
+    async def usage(self, request: SpeechRequest, text: str, samples: int) -> StreamUsage:
+        return await self.call("usage", request, text, samples)
+
+    async def voices(self) -> list[str]:
+        return await self.call("voices")
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``method`` in the engine process; its exception is raised here."""
+        if self._dead is not None:
+            raise self._dead
+        loop = self._bind_loop()
+        call_id = next(self._call_ids)
+        future = loop.create_future()
+        self._replies[call_id] = future
+        message = (("submit", call_id, args[0]) if method == "submit"
+                   else ("call", call_id, method, args))
+        try:
+            self._send(message)
+        except BaseException:
+            self._replies.pop(call_id, None)
+            raise
+        return await future
+
+    def close(self) -> None:
+        """Let the engine finish and exit; kill it if it does not within CLOSE_TIMEOUT_S."""
+        self._closing = True
+        if self._dead is None:
+            try:
+                self._send(("close",))
+            except OSError:
+                pass
+        try:
+            self._process.wait(CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine process %d did not exit; killing it", self._process.pid)
+            self._process.kill()
+            self._process.wait()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._inboxes or self._replies:
+                raise RuntimeError("EngineClient has streams or calls open on another event loop")
+            self._loop = loop  # a replica keeps one loop; a script may run several in turn
+        return loop
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    async def _stream(self, request_id: str) -> AsyncIterator[AudioChunk]:
+        inbox = self._inboxes[request_id]
+        finished = False
+        try:
+            while True:
+                try:
+                    chunk = await inbox.take()
+                except BaseException:
+                    finished = True
+                    raise
+                yield chunk
+                if chunk.final:
+                    finished = True
+                    return
+        finally:
+            self._inboxes.pop(request_id, None)
+            if not finished:  # the caller stopped reading: free the engine's slot
+                self.abort(request_id)
+
+    def _read_forever(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "stats":
+                self._stats = message[1]
+            elif self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+        code = self._process.wait()
+        dead = EngineDeadError(f"the engine process exited with code {code}")
+        if not self._closing:
+            logger.error("%s; failing its streams", dead)
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._fail_all, dead)
+                return
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        self._dead = dead
+
+    def _dispatch(self, message: tuple) -> None:
+        if message[0] == "out":
+            for request_id, item in message[1]:
+                inbox = self._inboxes.get(request_id)
+                if inbox is not None:  # else its caller is gone
+                    inbox.put(item)
+        elif message[0] == "reply":
+            _, call_id, ok, value = message
+            future = self._replies.pop(call_id, None)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+
+    def _fail_all(self, dead: EngineDeadError) -> None:
+        self._dead = dead
+        for inbox in self._inboxes.values():
+            inbox.put(dead)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(dead)
+        self._replies.clear()

@@ -1,0 +1,260 @@
+"""The engine in a process of its own, answering the synthesizer replica over a socket pair.
+
+A Serve replica's process is busy with more than the engine: its event loop relays every chunk,
+Ray pickles each streamed item, the metrics pusher and the handle machinery run there too. All
+of it shares one GIL with the engine's step thread, and at a GPU's full load that starved the
+step thread (docs/benchmarks/served-h100.json: the synthesizer process at 90-100 % of a core).
+vLLM splits its API server from its EngineCore process for the same reason. Here the replica
+keeps the Ray and HTTP side (:mod:`serve_app.engine_client`), and this process keeps the engine:
+its step thread competes only with this module's two small threads and its event loop.
+
+Messages (pickled tuples on a :class:`multiprocessing.connection.Connection`):
+
+- replica -> engine: ``(name, options)`` first; then ``("submit", call_id, requests)``,
+  ``("abort", request_id)``, ``("call", call_id, method, args)``, ``("close",)``.
+- engine -> replica: ``("ready", facts)`` or ``("failed", message)`` first; then
+  ``("out", [(request_id, item), ...])`` (an item is an AudioChunk, or the exception that ends
+  the stream), ``("reply", call_id, ok, value)``, ``("stats", EngineStats)``.
+
+Outputs are sent in batches: everything the event loop has gathered by the time it gets to
+send goes in one message, so a busy step costs one write, not one per stream. A closed socket
+means the replica is gone: this process exits at once (the GPU memory goes with it).
+
+Run as ``python -m serve_app.engine_process FD`` by :class:`~serve_app.engine_client.EngineClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import queue
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any, AsyncIterator, Callable
+
+from serve_app.engines.base import (
+    AudioChunk,
+    Engine,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    SpeechRequest,
+)
+from serve_app.engines.registry import create_engine
+from serve_app.usage import stream_usage
+
+logger = logging.getLogger("serve_app.engine_process")
+
+# The step thread gives up the GIL at every GPU sync and must get it back at once; Python's
+# default switch interval (5 ms) would let this process's other threads hold it that long.
+GIL_SWITCH_INTERVAL_S = 0.001
+# How often changed engine counters are pushed to the replica (its metrics read them).
+STATS_INTERVAL_S = 0.1
+# Calls that may take long (they run a model); they run in a worker thread, not the loop.
+SLOW_CALLS = frozenset({"embed_voice", "add_voice"})
+
+
+def engine_facts(engine: Engine, name: str) -> dict[str, Any]:
+    """What the replica needs to know about the engine without asking each time."""
+    return {
+        "engine": name,
+        "sample_rate_hz": engine.sample_rate_hz,
+        "modes": tuple(engine.modes),
+        "model_id": getattr(engine, "model_id", name),
+        "benchmark": getattr(engine, "benchmark", None),
+        "follows_instructions": getattr(engine, "follows_instructions", False),
+        "clones_voices": getattr(engine, "clones_voices", False),
+        "samples_per_audio_token": getattr(engine, "samples_per_audio_token", None),
+        "max_slots": engine.stats().max_slots,
+    }
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else an EngineError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return EngineError(f"{type(exc).__name__}: {exc}")
+
+
+def submit_each(engine: Engine, requests: list[SpeechRequest]
+                ) -> list[AsyncIterator[AudioChunk] | InvalidRequestError | EngineOverloadedError]:
+    """Submit ``requests`` together; if the engine refuses the batch, one by one, so one bad
+    request never sinks the others. A refused request's entry is its exception."""
+    try:
+        return list(engine.submit(requests))
+    except (InvalidRequestError, EngineOverloadedError):
+        outcomes: list[Any] = []
+        for request in requests:
+            try:
+                outcomes.extend(engine.submit([request]))
+            except (InvalidRequestError, EngineOverloadedError) as exc:
+                outcomes.append(exc)
+        return outcomes
+
+
+class EngineServer:
+    """Serves one engine to one replica until told to close or the replica is gone."""
+
+    def __init__(self, engine: Engine, conn: Connection) -> None:
+        self._engine = engine
+        self._conn = conn
+        self._outbox: list[tuple[str, object]] = []
+        self._flush_scheduled = False
+        self._sends: queue.SimpleQueue = queue.SimpleQueue()
+        self._pumps: set[asyncio.Task] = set()
+        self._calls: dict[str, Callable[..., Any]] = {
+            "feed_text": engine.feed_text,
+            "stats": engine.stats,
+            "voices": engine.voices,
+            "usage": lambda request, text, samples: stream_usage(engine, request, text, samples),
+        }
+        for method in ("embed_voice", "add_voice", "remove_voice"):
+            if hasattr(engine, method):
+                self._calls[method] = getattr(engine, method)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed: asyncio.Event | None = None
+
+    def run(self, facts: dict[str, Any]) -> None:
+        sender = threading.Thread(target=self._send_forever, name="engine-sender", daemon=True)
+        sender.start()
+        self._sends.put(("ready", facts))
+        asyncio.run(self._serve())
+        self._engine.close()
+        self._sends.put(None)  # after everything queued before it
+        sender.join(timeout=10)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._closed = asyncio.Event()
+        threading.Thread(target=self._read_forever, name="engine-reader", daemon=True).start()
+        stats_task = self._loop.create_task(self._push_stats())
+        await self._closed.wait()
+        stats_task.cancel()
+        for task in list(self._pumps):
+            task.cancel()
+
+    def _read_forever(self) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                # The replica is gone (killed, crashed): nobody is left to serve.
+                logger.warning("replica closed the connection; engine process exits")
+                os._exit(0)
+            self._loop.call_soon_threadsafe(self._handle, message)
+            if message[0] == "close":
+                return
+
+    def _send_forever(self) -> None:
+        while True:
+            message = self._sends.get()
+            if message is None:
+                return
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):
+                os._exit(0)
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "submit":
+            _, call_id, requests = message
+            try:
+                outcomes = submit_each(self._engine, requests)
+            except BaseException as exc:  # the whole batch fails; the engine goes on
+                self._sends.put(("reply", call_id, False, portable(exc)))
+                return
+            refusals: list[BaseException | None] = []
+            for request, outcome in zip(requests, outcomes):
+                if isinstance(outcome, BaseException):
+                    refusals.append(portable(outcome))
+                else:
+                    refusals.append(None)
+                    self._start_pump(request.request_id, outcome)
+            self._sends.put(("reply", call_id, True, refusals))
+        elif kind == "abort":
+            self._engine.abort(message[1])
+        elif kind == "call":
+            _, call_id, method, args = message
+            if method in SLOW_CALLS:
+                assert self._loop is not None
+                self._loop.create_task(self._call_in_thread(call_id, method, args))
+            else:
+                self._reply(call_id, method, args)
+        elif kind == "close":
+            assert self._closed is not None
+            self._closed.set()
+
+    def _reply(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            self._sends.put(("reply", call_id, True, self._calls[method](*args)))
+        except BaseException as exc:  # the caller gets it; the engine goes on
+            self._sends.put(("reply", call_id, False, portable(exc)))
+
+    async def _call_in_thread(self, call_id: int, method: str, args: tuple) -> None:
+        await asyncio.to_thread(self._reply, call_id, method, args)
+
+    def _start_pump(self, request_id: str, stream: AsyncIterator[AudioChunk]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._pump(request_id, stream))
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
+
+    async def _pump(self, request_id: str, stream: AsyncIterator[AudioChunk]) -> None:
+        try:
+            async for chunk in stream:
+                self._queue_out(request_id, chunk)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # ends this stream only
+            self._queue_out(request_id, portable(exc))
+
+    def _queue_out(self, request_id: str, item: object) -> None:
+        self._outbox.append((request_id, item))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._outbox:
+            self._sends.put(("out", self._outbox))
+            self._outbox = []
+
+    async def _push_stats(self) -> None:
+        last = None
+        while True:
+            stats = self._engine.stats()
+            if stats != last:
+                self._sends.put(("stats", stats))
+                last = stats
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    logging.basicConfig(
+        level=os.environ.get("SERVE_APP_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s engine-process[{os.getpid()}] %(name)s: %(message)s")
+    name, options = conn.recv()
+    try:
+        engine = create_engine(name, options)
+        engine.warmup()
+    except BaseException as exc:
+        logger.exception("engine %s failed to start", name)
+        conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    EngineServer(engine, conn).run(engine_facts(engine, name))
+
+
+if __name__ == "__main__":
+    main()
