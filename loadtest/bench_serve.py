@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -152,7 +153,11 @@ class CpuMeter:
     def _processes(self) -> dict[str, list[Any]]:
         found: dict[str, list[Any]] = {}
         for name, pid, _ in replicas(APP):
-            found.setdefault(name, []).append(self._psutil.Process(pid))
+            process = self._psutil.Process(pid)
+            found.setdefault(name, []).append(process)
+            for child in process.children():  # the Synthesizer's engine process
+                if "serve_app.engine_process" in " ".join(child.cmdline()):
+                    found.setdefault(f"{name}Engine", []).append(child)
         for process in self._psutil.process_iter(["cmdline"]):
             if "ProxyActor" in " ".join(process.info["cmdline"] or []):
                 found.setdefault("ServeProxy", []).append(process)
@@ -178,6 +183,34 @@ class CpuMeter:
             start = self._before.get(pid, (name, seconds))[1]
             used[name] = used.get(name, 0.0) + (seconds - start)
         return {name: round(100 * seconds / wall, 1) for name, seconds in sorted(used.items())}
+
+
+INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
+SYNTHESIZER_LINE = re.compile(r"stream id=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
+
+
+def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the served TTFB goes, per request of the level, from the client's record and the
+    service's log lines (the ingress's and the synthesizer's, matched by request id): p50 and
+    p99 of the client's TTFB, the ingress's (arrival there to first body byte), the
+    synthesizer replica's (arrival to first chunk) and the engine's (submission to first
+    audio); ``hops_ms`` is the client's minus the engine's, request by request."""
+    ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
+    synthesizer = {m[1]: (float(m[2]), float(m[3])) for m in SYNTHESIZER_LINE.finditer(log_text)}
+    joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]], *synthesizer[r["request_id"]])
+              for r in rows if r.get("ok") and r.get("request_id") in ingress
+              and r.get("request_id") in synthesizer and r.get("ttfb_s") is not None]
+    if not joined:
+        return None
+    columns = list(zip(*joined))
+    names = ("client", "ingress", "synthesizer", "engine")
+    result: dict[str, Any] = {"requests": len(joined)}
+    for name, values in zip(names, columns):
+        result[f"{name}_ms"] = {"p50": percentile(list(values), 50),
+                                "p99": percentile(list(values), 99)}
+    hops = [client - engine for client, _, _, engine in joined]
+    result["hops_ms"] = {"p50": percentile(hops, 50), "p99": percentile(hops, 99)}
+    return result
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -225,6 +258,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     env = {**os.environ, "LOADTEST_SCHEDULE": str(schedule),
            "LOADTEST_RECORDS": str(records)}
     meter = CpuMeter()
+    log_offset = args.log.stat().st_size if args.log.exists() else 0
     started = time.monotonic()
     locust = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=run_time_s + 120)
@@ -245,6 +279,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "audio_seconds_per_second": round(sum(r["audio_s"] for r in ok) / span, 2),
         "requests_per_s": round(users / span, 3),
         "cpu_percent_of_a_core": cpu, "locust": locust_summary(work / f"{name}_stats.csv"),
+        "ttfb_breakdown": ttfb_breakdown(_read_from(args.log, log_offset), rows),
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
         "locust_exit_code": locust.returncode,
     }
@@ -254,6 +289,16 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         result["locust_stderr"] = locust.stderr[-2000:]
     print(json.dumps({k: v for k, v in result.items() if k != "locust"}), flush=True)
     return result
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """What the service logged since ``offset`` (its lines reach the log a little late)."""
+    time.sleep(2.0)
+    if not path.exists():
+        return ""
+    with path.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode("utf-8", "replace")
 
 
 def headline(sweep: list[dict[str, Any]]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ import os
 import random
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -111,12 +112,14 @@ class _Listener(HttpUser):
                 audio: AudioCounter) -> None:
         started_at = time.time()
         started = time.perf_counter()
+        request_id = uuid.uuid4().hex  # the service logs it at every hop
         ttfb_s: float | None = None
         ran_dry = False
         error: str | None = None
         status = None
         try:
             with self.client.post(path, json=body, name=name, stream=True,
+                                  headers={"x-request-id": request_id},
                                   catch_response=True) as response:
                 status = response.status_code
                 if response.status_code != 200:
@@ -150,21 +153,21 @@ class _Listener(HttpUser):
             # failure, and Locust drops it too; the records keep it as unfinished.
             self._record(started_at, name, length, None, status, ttfb_s,
                          time.perf_counter() - started, audio, "unfinished when the run ended",
-                         realtime=False)
+                         realtime=False, request_id=request_id)
             raise
         if error is None:
             self._fire("TTFB", name, ttfb_s * 1000)
             self._fire("AUDIO", name, audio.audio_s * 1000)
             self._fire("RTF", name, total_s / audio.audio_s * 1000)
         self._record(started_at, name, length, error is None, status, ttfb_s, total_s, audio,
-                     error, realtime=error is None and not ran_dry)
+                     error, realtime=error is None and not ran_dry, request_id=request_id)
 
     def _record(self, started_at: float, name: str, length: str, ok: bool | None,
                 status: int | None, ttfb_s: float | None, total_s: float, audio: AudioCounter,
-                error: str | None, realtime: bool) -> None:
+                error: str | None, realtime: bool, request_id: str | None = None) -> None:
         runner = self.environment.runner
         RECORDS.write({
-            "start": started_at, "route": name, "length": length, "ok": ok, "status": status,
+            "request_id": request_id, "start": started_at, "route": name, "length": length, "ok": ok, "status": status,
             "ttfb_s": ttfb_s, "total_s": total_s, "audio_s": audio.audio_s,
             "bytes": audio.body_bytes, "error": error, "realtime": realtime,
             "users": runner.user_count if runner else None,

@@ -152,6 +152,9 @@ class Synthesizer:
             yield _refused(request.request_id, exc)
             return
         request_id = request.request_id
+        arrived_s = time.perf_counter()
+        first_chunk: AudioChunk | None = None
+        replica_ttfb_s = 0.0
         self._waiting_for_admission.add(request_id)
         self._watch_metrics()
         self._in_flight += 1
@@ -168,6 +171,8 @@ class Synthesizer:
                     break
                 if isinstance(item, AudioChunk):
                     samples += len(item.samples)
+                    if first_chunk is None:
+                        first_chunk, replica_ttfb_s = item, time.perf_counter() - arrived_s
             else:
                 text = "".join(self._fed_text.get(request_id, [request.text]))
                 yield await self._engine.usage(request, text, samples)
@@ -184,6 +189,8 @@ class Synthesizer:
             self._engine.abort(request_id)
             yield errors.synthesis_failed(request_id, exc)
         finally:
+            if first_chunk is not None:
+                _log_first_chunk(request_id, replica_ttfb_s, first_chunk)
             self._fed_text.pop(request_id, None)
             self._in_flight -= 1
             self._waiting_for_admission.discard(request_id)
@@ -292,6 +299,14 @@ class Synthesizer:
         if self._in_flight:
             logger.warning("shutting down with %d streams still active", self._in_flight)
         await asyncio.to_thread(engine.close)
+
+
+def _log_first_chunk(request_id: str, replica_ttfb_s: float, chunk: AudioChunk) -> None:
+    """Where a stream's first audio came from: seconds from its arrival at this replica, and
+    the engine's own (submission to first audio); scripts/bench_serve reads these lines."""
+    engine_s = chunk.timings_s.get("ttfb_s", chunk.timings_s.get("first_chunk_s"))
+    logger.info("stream id=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s", request_id,
+                replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}")
 
 
 def _rss_bytes(pid: int) -> int:
