@@ -14,6 +14,8 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+import numpy as np
+
 from ...text_rule import MAX_TEXT_CHARS, check_text
 from ..base import TEXT_INPUTS, AudioChunk, EngineStats, InvalidRequestError, SpeechRequest
 from ..streamed_text import StreamedText
@@ -27,6 +29,7 @@ from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
 from .step_loop import StepLoop
+from .voices import DEFAULT_VOICE, VoiceTable, check_voice_id, voice_not_found
 from .text import (
     GENERATION_PROMPT,
     PIECE_TOKENS,
@@ -64,6 +67,11 @@ class MiniCPMOEngine:
         self._loop = StepLoop(model, options, self._scheduler, runner, chat, self._spk_id,
                               self._gen_prompt_ids)
         self._benchmark = BenchmarkMode.from_options(options.benchmark)
+        # Voice cloning needs the audio encoder (loaded when ``options.voices`` is on).
+        self.clones_voices = options.voices and getattr(model, "audio_encoder", None) is not None
+        if options.voices and not self.clones_voices:
+            logger.warning("voices are on but the model has no audio encoder: voice cloning is off")
+        self._voices = VoiceTable(options.max_voices)
 
     @classmethod
     def from_options(cls, **raw: object) -> "MiniCPMOEngine":
@@ -84,7 +92,35 @@ class MiniCPMOEngine:
         return self.options.served_model_name
 
     def voices(self) -> list[str]:
-        return list(self.options.voices)
+        """``"default"`` and the cloned voices loaded now."""
+        return [DEFAULT_VOICE] + self._voices.names()
+
+    # ---- cloned voices (docs/minicpmo.md, "Cloned voices") ----------------------------------
+
+    def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
+        """A reference clip -> its audio embeddings, float32 [T, LLM hidden] (``add_voice``'s
+        input). Refuses with ``InvalidRequestError(param="audio_sample")`` a clip that is not
+        mono, empty, non-finite, silent, shorter than 1 s or longer than 30 s."""
+        self._refuse_without_voices()
+        raise NotImplementedError
+
+    def add_voice(self, voice_id: str, embeddings: np.ndarray) -> None:
+        """Register ``voice_id`` (replacing one of that id): its voice turn's LLM keys and
+        values are computed here, once. May drop the least recently used idle voice."""
+        self._refuse_without_voices()
+        check_voice_id(voice_id)
+        raise NotImplementedError
+
+    def remove_voice(self, voice_id: str) -> None:
+        """Forget ``voice_id`` (a no-op if it is not loaded); its running streams finish in it."""
+        self._refuse_without_voices()
+        self._voices.remove(check_voice_id(voice_id))
+
+    def _refuse_without_voices(self) -> None:
+        if not self.clones_voices:
+            raise InvalidRequestError(
+                "voice cloning is off in this engine (engine_options.voices is false, or the "
+                "model has no audio encoder)", "voice", code="voice_cloning_off")
 
     def count_tokens(self, text: str) -> int:
         """LLM tokens of ``text`` (usage's input tokens)."""
@@ -110,9 +146,8 @@ class MiniCPMOEngine:
         if request.mode == "read" and not streamed and not has_speakable_text(text):
             raise InvalidRequestError("text holds nothing speakable (no letters or digits)", "text",
                                       code="nothing_to_speak")
-        if request.voice not in self.options.voices:
-            raise InvalidRequestError(f"unknown voice {request.voice!r}", "voice",
-                                      code="unknown_voice")
+        if request.voice != DEFAULT_VOICE and request.voice not in self._voices.names():
+            raise voice_not_found(request.voice)
         if request.speed != 1.0:
             raise InvalidRequestError("this engine speaks at speed 1.0 only", "speed")
         request.sampling.validate()
