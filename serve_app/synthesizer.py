@@ -99,10 +99,11 @@ class Synthesizer:
         self._voice_store = VoiceStore(voice_store)
         # Stored voices this replica added to its engine (the engine may have evicted some
         # since: a voice_not_found refusal says so), one lock per voice being loaded, and how
-        # many loads this replica did (stats).
+        # many loads and clip embeddings this replica did (stats).
         self._loaded_voices: set[str] = set()
         self._voice_locks: dict[str, asyncio.Lock] = {}
         self._voice_loads = 0
+        self._voice_embeds = 0
         self._batch_sizes: Counter[int] = Counter()
         self._metrics = SynthesizerMetrics()
         self._waiting_for_admission: set[str] = set()
@@ -248,9 +249,10 @@ class Synthesizer:
                     return errors.voice_not_found(voice_id)
                 try:
                     await asyncio.to_thread(self._engine.add_voice, voice_id, embeddings)
-                except InvalidRequestError as exc:  # e.g. embeddings of another model
-                    logger.error("voice %s: the engine refused its embeddings (%s)", voice_id,
-                                 exc.code)
+                except (InvalidRequestError, EngineOverloadedError) as exc:
+                    # Every loaded voice busy (503), or embeddings of another model (4xx).
+                    logger.error("voice %s: the engine refused it (%s)", voice_id,
+                                 getattr(exc, "code", type(exc).__name__))
                     return _refused(exc)
                 self._loaded_voices.add(voice_id)
                 self._voice_loads += 1
@@ -275,6 +277,7 @@ class Synthesizer:
         except Exception as exc:  # one failing clip never takes the replica down
             logger.exception("embedding a voice clip failed")
             return errors.voice_embedding_failed(exc)
+        self._voice_embeds += 1
         return np.ascontiguousarray(embeddings, dtype=np.float32)
 
     @property
@@ -353,7 +356,8 @@ class Synthesizer:
             "batch_sizes": dict(self._batch_sizes),
             "max_batch_size_formed": max(self._batch_sizes, default=0),
             "batching": self._batching.model_dump(),
-            "voices": {"loaded": len(self._loaded_voices), "loads": self._voice_loads},
+            "voices": {"loaded": len(self._loaded_voices), "loads": self._voice_loads,
+                       "embeds": self._voice_embeds},
         }
 
     def process_info(self) -> dict[str, Any]:
