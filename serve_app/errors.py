@@ -111,8 +111,8 @@ def voice_not_found(voice_id: str) -> ApiError:
 
 def voice_cloning_unsupported(engine: str) -> ApiError:
     """The deployed engine speaks only its own voices."""
-    return ApiError(422, f"the {engine} engine cannot clone voices: it speaks only its own "
-                         "(deploy the minicpmo engine to create voices)",
+    return ApiError(422, f"the {engine} engine, as deployed, cannot clone voices (the minicpmo "
+                         "engine with engine_options.voices on can)",
                     param="audio_sample", code="voice_cloning_unsupported")
 
 
