@@ -120,3 +120,9 @@ def voice_embedding_failed(cause: BaseException) -> ApiError:
     logger.error("voice embedding failed (%s)", type(cause).__name__)
     return ApiError(500, "the voice clip could not be embedded", code="voice_embedding_failed",
                     error_type="server_error")
+
+
+def voice_store_unavailable() -> ApiError:
+    """The voice store (a local or shared folder) cannot be read or written now."""
+    return ApiError(503, "the voice store is unavailable; retry shortly",
+                    code="voice_store_unavailable")

@@ -247,6 +247,10 @@ class Synthesizer:
                     embeddings = await asyncio.to_thread(self._voice_store.embeddings, voice_id)
                 except VoiceNotFound:
                     return errors.voice_not_found(voice_id)
+                except OSError as exc:  # a shared filesystem gone away: retry later
+                    logger.error("voice %s: the store is unavailable (%s)", voice_id,
+                                 type(exc).__name__)
+                    return errors.voice_store_unavailable()
                 try:
                     await asyncio.to_thread(self._engine.add_voice, voice_id, embeddings)
                 except (InvalidRequestError, EngineOverloadedError) as exc:
@@ -254,7 +258,10 @@ class Synthesizer:
                     logger.error("voice %s: the engine refused it (%s)", voice_id,
                                  getattr(exc, "code", type(exc).__name__))
                     return _refused(exc)
-                self._loaded_voices.add(voice_id)
+                # What the engine holds now (it may have dropped others to make room): the
+                # cache stays within the engine's own bound.
+                self._loaded_voices = {voice_id} | (self._loaded_voices
+                                                    & set(self._engine.voices()))
                 self._voice_loads += 1
                 logger.info("voice %s loaded into the engine (%s)", voice_id,
                             "x".join(map(str, embeddings.shape)))

@@ -39,7 +39,6 @@ import soundfile as sf
 
 from serve_app import errors
 from serve_app.engines.base import InvalidRequestError
-from serve_app.errors import ApiError
 
 Result = TypeVar("Result")
 
@@ -364,8 +363,7 @@ async def store_call(function: Callable[..., Result], *args: Any) -> Result:
         return await asyncio.to_thread(function, *args)
     except OSError as exc:
         logger.error("voice store unavailable (%s: %s)", type(exc).__name__, exc.strerror)
-        raise ApiError(503, "the voice store is unavailable; retry shortly",
-                       code="voice_store_unavailable") from None
+        raise errors.voice_store_unavailable() from None
 
 
 async def resolve_voice(store: VoiceStore, owner: str, voice: str, aliases: list[str]) -> str:
