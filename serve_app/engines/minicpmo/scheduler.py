@@ -17,6 +17,7 @@ from ..streamed_text import StreamedText, unknown_stream
 from .output import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
+from .voices import VoicePrefix
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     submitted_at: float
     fed_text: StreamedText | None = None  # streamed input: written by callers under the lock
+    voice: VoicePrefix | None = None  # a cloned voice, held from submission to the end
     schedule: SpeechSchedule | None = None
     slot: int = -1
     llm_slot: int = -1
