@@ -128,18 +128,25 @@ class ModelRunner:
                              torch.tensor(starts, device=self.device), key_count)
         return hidden, cache
 
+    def prompt_embeddings(self, token_ids: Sequence[int], audio_positions: Sequence[int],
+                          audio: torch.Tensor) -> torch.Tensor:
+        """The LLM input embeddings [L, H] of ``token_ids`` with audio embeddings ``audio``
+        [T, H] at ``audio_positions`` (the ``<unk>`` placeholders), in order."""
+        ids = torch.tensor(list(token_ids), device=self.device)
+        embeddings = self.model.llm.model.embed_tokens(ids)
+        positions = torch.tensor(list(audio_positions), device=self.device, dtype=torch.long)
+        embeddings[positions] = audio.to(self.device, embeddings.dtype)
+        return embeddings
+
     def prefill_with_audio(self, token_ids: Sequence[int], audio_positions: Sequence[int],
                            audio: torch.Tensor) -> tuple[torch.Tensor, SlotKVCache]:
-        """One prompt whose ``audio_positions`` hold audio embeddings ``audio`` [T, H] instead of
-        their tokens' embeddings: hidden states [L, H] and the cache holding its keys and
-        values (row 0). Eager, on a cache of its own: safe beside the step thread."""
-        llm = self.model.llm
+        """One prompt with audio embeddings at ``audio_positions`` (:meth:`prompt_embeddings`):
+        hidden states [L, H] and the cache holding its keys and values (row 0). Eager, on a
+        cache of its own: safe beside the step thread."""
+        embeddings = self.prompt_embeddings(token_ids, audio_positions, audio)[None]
         ids = torch.tensor([list(token_ids)], device=self.device)
-        embeddings = llm.model.embed_tokens(ids)
-        positions = torch.tensor(list(audio_positions), device=self.device, dtype=torch.long)
-        embeddings[0, positions] = audio.to(self.device, embeddings.dtype)
         cache = SlotKVCache(self.model.config.llm, 1, ids.shape[1], self.device, self.dtype)
-        hidden = llm_prefill(llm, cache, ids, torch.ones_like(ids, dtype=torch.bool),
+        hidden = llm_prefill(self.model.llm, cache, ids, torch.ones_like(ids, dtype=torch.bool),
                              torch.zeros(1, dtype=torch.long, device=self.device), True,
                              embeddings=embeddings)
         return hidden[0], cache
