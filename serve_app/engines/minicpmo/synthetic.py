@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -149,3 +150,17 @@ def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.devic
     decoder = SpeechDecoder().to(device).eval()
     return LoadedModel(config, llm, tts_model, decoder, word_level_tokenizer(config.vocab_size),
                        tts_tokenizer, Path(tts_tokenizer_dir), audio)
+
+
+def synthetic_voice_clip(seed: int, seconds: float = 5.0, sample_rate_hz: int = 16_000) -> np.ndarray:
+    """A deterministic voice-like reference clip (float32 mono, peak 0.5) for tests and
+    benchmarks: eight harmonics of a pitch between 90 and 250 Hz drawn from ``seed``, a slow
+    syllable-like amplitude modulation and a little noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate_hz)) / sample_rate_hz
+    pitch = 90.0 + 160.0 * rng.random()
+    wave = sum(rng.random() / k * np.sin(2 * np.pi * k * pitch * t + 2 * np.pi * rng.random())
+               for k in range(1, 9))
+    wave = wave * (0.6 + 0.4 * np.sin(2 * np.pi * (2.0 + 3.0 * rng.random()) * t))
+    wave = wave + 0.01 * rng.standard_normal(t.size)
+    return (0.5 * wave / np.abs(wave).max()).astype(np.float32)
