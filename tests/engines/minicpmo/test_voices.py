@@ -274,3 +274,50 @@ def test_voices_off_loads_no_audio_encoder_and_refuses_cloning(voice_checkpoint)
     finally:
         off.close()
         on.close()
+
+
+def test_prefill_graph_buffers_give_the_eager_prefill_with_voice_turns(engine):
+    """The CUDA-graph admission prefill's bookkeeping (buckets, static buffers, each row's voice
+    turn copied in, stale rows from a longer earlier prefill) checked on the CPU: each bucket's
+    forward replays eagerly into its static output, as a captured graph would."""
+    from serve_app.engines.minicpmo.llm_step import LLMPrefillGraphs
+
+    model = engine.model
+    graphs = LLMPrefillGraphs(model.llm, model.config.llm, torch.device("cpu"), torch.float32,
+                              max_batch=4, lengths=(16, 32), prefix_lengths=(0, 64, 128))
+
+    class EagerReplay:
+        def __init__(self, index: int) -> None:
+            self.index = index
+            self.out = graphs._forward(index)
+
+        def replay(self) -> None:
+            self.out.copy_(graphs._forward(self.index))
+
+    with torch.inference_mode():
+        for index, key in enumerate(graphs.keys):
+            replay = EagerReplay(index)
+            graphs.graphs[key] = (replay, replay.out)
+        engine.add_voice("short", engine.embed_voice(synthetic_voice_clip(41, 1.2), 16_000))
+        engine.add_voice("long", engine.embed_voice(synthetic_voice_clip(42, 3.0), 16_000))
+        voices = engine._voices.acquire(["short", "long"])
+        try:
+            assert [v.length for v in voices] == sorted(v.length for v in voices) and voices[1].length > 64
+            tok = model.tokenizer
+            prompts = [tok(f"<|im_start|>user\n{text}<|im_end|>\n", add_special_tokens=False)["input_ids"]
+                       for text in ("Hi there.", "A somewhat longer question here?", "Ok.")]
+            for rows in ([(0, voices[1]), (1, None), (2, voices[0])], [(2, None), (0, voices[0])]):
+                chosen = [prompts[i] for i, _ in rows]
+                longest = max(len(p) for p in chosen)
+                ids = torch.zeros(len(rows), longest, dtype=torch.long)
+                valid = torch.zeros(len(rows), longest, dtype=torch.bool)
+                for row, prompt in enumerate(chosen):
+                    ids[row, :len(prompt)] = torch.tensor(prompt)
+                    valid[row, :len(prompt)] = True
+                prefixes = [voice for _, voice in rows]
+                assert graphs.fits(len(rows), longest, max(v.length for v in prefixes if v))
+                want, _ = engine._runner.llm_prefill(ids, valid, prefixes)
+                got = graphs.run(ids, valid, prefixes)
+                torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+        finally:
+            engine._voices.release(voices)
