@@ -110,7 +110,7 @@ def word_level_tokenizer(vocab_size: int):
 
 def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.device = "cuda",
                         dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                        clip_encoder: bool = True):
+                        clip_encoder: bool = False):
     """The real config's shapes with random weights, built straight on ``device``.
 
     TTS special ids follow ``tts_tokenizer_dir`` (the golden ChatTTS tokenizer) so its text
