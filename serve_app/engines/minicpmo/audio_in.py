@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import InvalidRequestError
-from .modeling import AudioInConfig, Projector, encoder_frames, pooled_frames
+from .modeling import AudioInConfig, Projector, pooled_frames
 
 SAMPLE_RATE_HZ = 16_000  # the encoder's rate
 MIN_CLIP_S = 1.0
