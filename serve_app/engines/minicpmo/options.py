@@ -72,3 +72,8 @@ class EngineOptions:
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return {"bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float32": torch.float32}[self.dtype]
+
+
+def clones_voices(model, options: EngineOptions) -> bool:
+    """Voice cloning is on: ``voices`` asks for it and the model has its audio encoder."""
+    return options.voices and getattr(model, "clip_encoder", None) is not None

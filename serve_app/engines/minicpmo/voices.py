@@ -88,6 +88,11 @@ class VoicePrefix:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
+def prefix_length(voice: VoicePrefix | None) -> int:
+    """Positions a voice's turn takes before a request's own prompt (0 for the default)."""
+    return voice.length if voice is not None else 0
+
+
 def check_voice_id(voice_id: object) -> str:
     """``voice_id`` if it can name a cloned voice; else :class:`InvalidRequestError`."""
     if voice_id == DEFAULT_VOICE:
