@@ -1,5 +1,5 @@
-"""Cloned voices end to end on the tiny MiniCPM-o checkpoint, over real HTTP, WebSocket, the CLI
-and the web page.
+"""Cloned voices end to end on the tiny MiniCPM-o voice checkpoint (with its audio encoder), over
+real HTTP, WebSocket, the CLI and the web page.
 
 Two apps run side by side on the session's Ray Serve instance, each its own Ingress, AudioEncoder
 and Synthesizer, with the same API keys and the same voice store folder: "a" and "b". A voice
@@ -107,12 +107,12 @@ class VoicesApps:
 
 
 @pytest.fixture(scope="module")
-def apps(server: Server, tiny_checkpoint: Path, tmp_path_factory) -> VoicesApps:
+def apps(server: Server, voice_checkpoint: Path, tmp_path_factory) -> VoicesApps:
     from ray import serve
 
     store = tmp_path_factory.mktemp("shared-voices")
-    deploy("voices-a", APPS["a"], store, tiny_checkpoint, max_engine_voices=8)
-    deploy("voices-b", APPS["b"], store, tiny_checkpoint, max_engine_voices=1)
+    deploy("voices-a", APPS["a"], store, voice_checkpoint, max_engine_voices=8)
+    deploy("voices-b", APPS["b"], store, voice_checkpoint, max_engine_voices=1)
     base = {app: f"{server.base_url}{prefix}" for app, prefix in APPS.items()}
     for app, url in base.items():
         wait_ready(url, f"voices app {app}")
@@ -125,7 +125,7 @@ def apps(server: Server, tiny_checkpoint: Path, tmp_path_factory) -> VoicesApps:
     samples, rate = sf.read(io.BytesIO(reply.content), dtype="int16")
     sf.write(clip_path, samples, rate, subtype="PCM_16")
     yield VoicesApps(base=base, store=store, clip=clip_path.read_bytes(), clip_path=clip_path,
-                     checkpoint=tiny_checkpoint)
+                     checkpoint=voice_checkpoint)
     for app in APPS:
         serve.delete(f"voices-{app}")
 
