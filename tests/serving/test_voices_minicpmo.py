@@ -52,7 +52,7 @@ TEXT = "Hello in a cloned voice."
 def voices_app_args(store: Path, checkpoint: Path, max_engine_voices: int):
     from serve_app.config import ApiConfig
 
-    options = {**engine_options(checkpoint), "max_voices": max_engine_voices}
+    options = {**engine_options(checkpoint, voices=True), "max_voices": max_engine_voices}
     api = ApiConfig(api_keys=list(KEYS), voice_store=str(store),
                     max_voices_per_key=MAX_VOICES_PER_KEY,
                     max_voice_upload_bytes=UPLOAD_LIMIT_BYTES)
@@ -172,7 +172,7 @@ def engine_reference(apps: VoicesApps, voice_id: str) -> tuple[np.ndarray, np.nd
     from serve_app.engines.minicpmo import MiniCPMOEngine
     from serve_app.voices import decode_clip
 
-    engine = MiniCPMOEngine.from_options(**engine_options(apps.checkpoint))
+    engine = MiniCPMOEngine.from_options(**engine_options(apps.checkpoint, voices=True))
     try:
         clip = decode_clip(apps.clip, 1.0, 30.0)
         embeddings = engine.embed_voice(clip.samples, clip.sample_rate_hz)
