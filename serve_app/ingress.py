@@ -243,7 +243,8 @@ class Ingress:
         data = [{"id": voice, "engine_voice": voice} for voice in info.voices]
         data += [{"id": alias, "engine_voice": "default"} for alias in self._api.voice_aliases]
         return {"object": "list", "data": data, "modes": info.modes,
-                "native_sample_rate_hz": info.sample_rate_hz}
+                "native_sample_rate_hz": info.sample_rate_hz,
+                "clones_voices": info.clones_voices}
 
     @api_app.post("/v1/audio/speech", summary="OpenAI-compatible speech (streams)",
                   response_class=StreamingResponse)

@@ -79,8 +79,9 @@ def test_an_unknown_voice_id_is_404_on_every_route_before_the_engine_runs(
     assert_error(client.delete(f"/v1/audio/voices/{UNKNOWN_VOICE}"), 404, "voice_not_found")
     assert server.synthesizer_stats()["engine"]["steps"] == steps
     # The engine's own voices are still listed where they were; stored voices never are.
-    voices = client.get("/v1/voices").json()["data"]
-    assert "joe" in [voice["id"] for voice in voices]
+    voices = client.get("/v1/voices").json()
+    assert "joe" in [voice["id"] for voice in voices["data"]]
+    assert voices["clones_voices"] is False  # the page shows no voice card
 
 
 def test_an_unknown_voice_id_ends_a_websocket_session_with_an_error_event(
