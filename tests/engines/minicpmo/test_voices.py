@@ -172,6 +172,15 @@ def test_a_clip_at_any_common_rate_is_resampled_to_16_khz(engine, rate):
         np.testing.assert_allclose(embeddings, reference, rtol=0, atol=0.02)  # voices differ by ~0.1
 
 
+def test_integer_pcm_and_a_one_column_clip_are_read_as_mono_samples(engine):
+    clip = synthetic_voice_clip(5, 1.5)
+    pcm = np.round(clip * 32767).astype(np.int16)
+    want = engine.embed_voice(pcm.astype(np.float32) / 32768, 16_000)
+    np.testing.assert_allclose(engine.embed_voice(pcm, 16_000), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(engine.embed_voice(clip[:, None], 16_000),
+                               engine.embed_voice(clip, 16_000), rtol=1e-5, atol=1e-6)
+
+
 def test_read_and_chat_in_cloned_voices_batch_with_the_default_voice(engine):
     """Greedy TTS: each stream's codes alone equal its codes in a mixed batch of voices, modes
     and arrivals, while another thread embeds and adds a voice; the chat answer in a cloned
