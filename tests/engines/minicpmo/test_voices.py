@@ -330,3 +330,17 @@ def test_prefill_graph_buffers_give_the_eager_prefill_with_voice_turns(engine):
                 torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
         finally:
             engine._voices.release(voices)
+
+
+def test_voices_on_with_a_checkpoint_without_an_audio_encoder_serves_without_cloning(
+        tiny_checkpoint):
+    engine = MiniCPMOEngine.from_options(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                                         max_slots=1, max_chat_slots=1)
+    try:
+        assert engine.options.voices and not engine.clones_voices
+        assert engine.model.clip_encoder is None and engine.voices() == ["default"]
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.add_voice("x", np.zeros((10, 32), np.float32))
+        assert refused.value.code == "voice_cloning_off"
+    finally:
+        engine.close()
