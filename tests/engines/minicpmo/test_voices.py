@@ -124,11 +124,13 @@ def with_nan() -> np.ndarray:
     (clip_case(30.5, 8_000), 8_000, "audio_too_long"),
     (np.stack([clip_case(), clip_case()]), 16_000, "audio_not_mono"),
     (np.array(["a"] * 32_000), 16_000, "invalid_audio"),
+    (None, 16_000, "invalid_audio"),
+    (np.ones(32_000, bool), 16_000, "invalid_audio"),
     (clip_case(), 4_000, "unsupported_sample_rate"),
     (clip_case(), 16_000.5, "unsupported_sample_rate"),
     (clip_case(), True, "unsupported_sample_rate"),
-], ids=["empty", "nan", "inf", "zeros", "quiet", "short", "long", "stereo", "text", "rate-low",
-        "rate-float", "rate-bool"])
+], ids=["empty", "nan", "inf", "zeros", "quiet", "short", "long", "stereo", "text", "none", "bool",
+        "rate-low", "rate-float", "rate-bool"])
 def test_a_clip_that_cannot_be_a_voice_is_refused_and_touches_nothing(engine, samples, rate, code):
     before = (engine.voices(), engine.stats())
     with pytest.raises(InvalidRequestError) as refused:
