@@ -44,19 +44,14 @@ def prepare_clip(samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
         raise refuse(f"sample rate must be an integer from {MIN_SAMPLE_RATE_HZ} to "
                      f"{MAX_SAMPLE_RATE_HZ} Hz", "unsupported_sample_rate")
     samples = np.asarray(samples)
+    if samples.dtype.kind not in "if":
+        raise refuse("the audio sample must be an array of numbers", "invalid_audio")
     if samples.ndim == 2 and 1 in samples.shape:
         samples = samples.reshape(-1)
     if samples.ndim != 1:
         raise refuse("the audio sample must be mono (one channel)", "audio_not_mono")
-    if samples.dtype.kind == "i":
-        samples = samples / float(np.iinfo(samples.dtype).max + 1)
-    elif samples.dtype.kind != "f":
-        raise refuse("the audio sample must hold numbers", "invalid_audio")
     if samples.size == 0:
         raise refuse("the audio sample is empty", "audio_empty")
-    samples = samples.astype(np.float32, copy=False)
-    if not np.isfinite(samples).all():
-        raise refuse("the audio sample holds NaN or infinite values", "audio_not_finite")
     duration_s = samples.size / sample_rate_hz
     if duration_s < MIN_CLIP_S:
         raise refuse(f"the audio sample is {duration_s:.2f} s; a voice needs at least "
@@ -64,6 +59,11 @@ def prepare_clip(samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
     if duration_s > MAX_CLIP_S:
         raise refuse(f"the audio sample is {duration_s:.1f} s; at most {MAX_CLIP_S:.0f} s",
                      "audio_too_long")
+    if samples.dtype.kind == "i":  # integer PCM: full scale is 1.0
+        samples = samples / float(np.iinfo(samples.dtype).max + 1)
+    samples = samples.astype(np.float32, copy=False)
+    if not np.isfinite(samples).all():
+        raise refuse("the audio sample holds NaN or infinite values", "audio_not_finite")
     if float(np.abs(samples).max()) < SILENT_PEAK:
         raise refuse("the audio sample is silent", "audio_silent")
     if sample_rate_hz != SAMPLE_RATE_HZ:

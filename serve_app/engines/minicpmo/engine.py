@@ -90,7 +90,7 @@ class MiniCPMOEngine:
         else:
             model = load_speech_model(options.model, options.revision, options.resolved_device(),
                                       options.resolved_dtype(), quantization=options.quantization,
-                                      audio_encoder=options.voices)
+                                      audio_encoder=None if options.voices else False)
         logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
         return cls(model, options)
 

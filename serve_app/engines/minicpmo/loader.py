@@ -232,9 +232,10 @@ def load_clip_encoder(path: Path, config: ModelConfig, device: torch.device,
 def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None,
                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                       codec_dtype: torch.dtype = torch.float32,
-                      quantization: str = "none", audio_encoder: bool = False) -> LoadedModel:
+                      quantization: str = "none", audio_encoder: bool | None = False) -> LoadedModel:
     """Load LLM, TTS, DVAE decoder, Vocos and both tokenizers from the official layout, and
-    with ``audio_encoder`` the audio-in path voice cloning needs.
+    with ``audio_encoder`` the audio-in path voice cloning needs (None: if the checkpoint's
+    config has one; True: it must).
 
     The checkpoint may be the bf16 one or the GPTQ int4 one (``openbmb/MiniCPM-o-2_6-int4``);
     ``quantization`` (``none | int8 | int4``) applies to the LLM's decoder linears.
@@ -264,6 +265,8 @@ def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None
     from transformers import BertTokenizerFast
 
     tts_tokenizer = BertTokenizerFast.from_pretrained(str(path / "assets" / "chattts_tokenizer"))
+    if audio_encoder is None:
+        audio_encoder = config.audio is not None
     clip_encoder = load_clip_encoder(path, config, device, dtype) if audio_encoder else None
     return LoadedModel(config, llm, tts, decoder, tokenizer, tts_tokenizer, path, clip_encoder)
 

@@ -27,7 +27,7 @@ class EngineOptions:
     chunk_frames: int = 25
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: int = 2048
-    voices: bool = True  # voice cloning: loads the audio encoder (apm); see docs/minicpmo.md
+    voices: bool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one
     max_voices: int = 32  # cloned voices kept loaded (LRU); each holds its prompt's LLM keys/values
     served_model_name: str = "MiniCPM-o-2_6"  # what /v1/models shows (never a local path)
     keep_traces: bool = False  # tests: keep each finished stream's codes (see ``trace``)

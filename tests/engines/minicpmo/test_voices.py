@@ -124,11 +124,13 @@ def with_nan() -> np.ndarray:
     (clip_case(30.5, 8_000), 8_000, "audio_too_long"),
     (np.stack([clip_case(), clip_case()]), 16_000, "audio_not_mono"),
     (np.array(["a"] * 32_000), 16_000, "invalid_audio"),
+    (None, 16_000, "invalid_audio"),
+    (np.ones(32_000, bool), 16_000, "invalid_audio"),
     (clip_case(), 4_000, "unsupported_sample_rate"),
     (clip_case(), 16_000.5, "unsupported_sample_rate"),
     (clip_case(), True, "unsupported_sample_rate"),
-], ids=["empty", "nan", "inf", "zeros", "quiet", "short", "long", "stereo", "text", "rate-low",
-        "rate-float", "rate-bool"])
+], ids=["empty", "nan", "inf", "zeros", "quiet", "short", "long", "stereo", "text", "none", "bool",
+        "rate-low", "rate-float", "rate-bool"])
 def test_a_clip_that_cannot_be_a_voice_is_refused_and_touches_nothing(engine, samples, rate, code):
     before = (engine.voices(), engine.stats())
     with pytest.raises(InvalidRequestError) as refused:
@@ -170,6 +172,15 @@ def test_a_clip_at_any_common_rate_is_resampled_to_16_khz(engine, rate):
     assert embeddings.shape == reference.shape  # 40 ms per embedding, whatever the rate
     if rate > 16_000:  # nothing lost: the same voice up to resampling error
         np.testing.assert_allclose(embeddings, reference, rtol=0, atol=0.02)  # voices differ by ~0.1
+
+
+def test_integer_pcm_and_a_one_column_clip_are_read_as_mono_samples(engine):
+    clip = synthetic_voice_clip(5, 1.5)
+    pcm = np.round(clip * 32767).astype(np.int16)
+    want = engine.embed_voice(pcm.astype(np.float32) / 32768, 16_000)
+    np.testing.assert_allclose(engine.embed_voice(pcm, 16_000), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(engine.embed_voice(clip[:, None], 16_000),
+                               engine.embed_voice(clip, 16_000), rtol=1e-5, atol=1e-6)
 
 
 def test_read_and_chat_in_cloned_voices_batch_with_the_default_voice(engine):
@@ -321,3 +332,17 @@ def test_prefill_graph_buffers_give_the_eager_prefill_with_voice_turns(engine):
                 torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
         finally:
             engine._voices.release(voices)
+
+
+def test_voices_on_with_a_checkpoint_without_an_audio_encoder_serves_without_cloning(
+        tiny_checkpoint):
+    engine = MiniCPMOEngine.from_options(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                                         max_slots=1, max_chat_slots=1)
+    try:
+        assert engine.options.voices and not engine.clones_voices
+        assert engine.model.clip_encoder is None and engine.voices() == ["default"]
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.add_voice("x", np.zeros((10, 32), np.float32))
+        assert refused.value.code == "voice_cloning_off"
+    finally:
+        engine.close()
