@@ -354,11 +354,11 @@ class Ingress:
 
     async def _embed(self, samples: Any, sample_rate_hz: int) -> Any:
         """The clip's embeddings from a Synthesizer replica, or the ApiError it answered."""
+        call = self._synthesizer.embed_voice.remote(samples, sample_rate_hz)
         try:
-            embedded = await asyncio.wait_for(
-                self._synthesizer.embed_voice.remote(samples, sample_rate_hz),
-                self._api.voice_embed_timeout_s)
+            embedded = await asyncio.wait_for(call, self._api.voice_embed_timeout_s)
         except TimeoutError:
+            call.cancel()
             logger.error("voice embedding: no answer within %.0f s",
                          self._api.voice_embed_timeout_s)
             raise ApiError(504, "embedding the voice clip timed out", code="timeout",
