@@ -18,6 +18,17 @@ over ``--concurrency`` (``--arrivals``), and the relative error of the quantized
 ``docs/benchmarks/<quantization>-<gpu>.json``.
 Example: python scripts/bench_engine.py --compare-quantization --quantization int4 \
     --concurrency 1 8 16 32 64 --arrivals burst --audio-seconds 10
+
+``--voices N`` registers N cloned voices from synthetic 5 s clips (``embed_voice`` +
+``add_voice``, timed) and spreads every level's requests round-robin over them; the JSON then
+has per level TTFB in cloned voices (``voices`` in each sweep row), the registration times, and
+``single_stream_voices``: single-stream TTFB in the default voice next to a cloned one. On the
+CPU with the tests' tiny voice checkpoint (a quick check of the path, not a measurement):
+    python -c "from pathlib import Path; from tests.golden_voice.checkpoint import \
+        build_voice_checkpoint as b; b(Path('/tmp/tiny-voice'))"
+    python scripts/bench_engine.py --device cpu --dtype float32 --checkpoint /tmp/tiny-voice \
+        --modes read chat --concurrency 1 4 --arrivals burst --audio-seconds 1 --chat-tokens 6 \
+        --baseline none --voices 3 --out /tmp/bench-voices.json
 """
 
 from __future__ import annotations
@@ -44,7 +55,10 @@ from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
 from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend  # noqa: E402
 from serve_app.engines.minicpmo.quantization import quantize_llm  # noqa: E402
-from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
+from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
+    random_speech_model,
+    synthetic_voice_clip,
+)
 
 SAMPLE_RATE = 24_000
 FRAMES_PER_SECOND = 46.875
@@ -71,14 +85,57 @@ def stream_is_realtime(arrivals: list[tuple[float, int]]) -> bool:
     return True
 
 
-def make_request(index: int, mode: str, args: argparse.Namespace) -> SpeechRequest:
+def voice_id(index: int) -> str:
+    return f"bench-voice-{index}"
+
+
+def make_request(index: int, mode: str, args: argparse.Namespace,
+                 voice: str | None = None) -> SpeechRequest:
+    """The index-th request of a level: in cloned voice ``index % --voices`` when there are
+    voices (``voice`` overrides)."""
     frames = int(round(args.audio_seconds * FRAMES_PER_SECOND))
     lengths = LengthControls(ignore_eos=True, audio_frames=frames,
                              llm_tokens=args.chat_tokens if mode == "chat" else None)
+    if voice is None:
+        voice = voice_id(index % args.voices) if getattr(args, "voices", 0) else "default"
     return SpeechRequest(request_id=f"{mode}-{index}-{time.monotonic_ns()}",
-                         text=READ_TEXT if mode == "read" else CHAT_TEXT, mode=mode,
+                         text=READ_TEXT if mode == "read" else CHAT_TEXT, mode=mode, voice=voice,
                          seed=index, sampling=SamplingParams(temperature=0.7, max_new_tokens=4096),
                          lengths=lengths)
+
+
+def register_voices(engine: MiniCPMOEngine, count: int) -> dict:
+    """``count`` cloned voices from deterministic synthetic 5 s clips; the time each took."""
+    embed_ms, add_ms = [], []
+    for index in range(count):
+        clip = synthetic_voice_clip(index, seconds=5.0)
+        started = time.perf_counter()
+        embeddings = engine.embed_voice(clip, 16_000)
+        embedded = time.perf_counter()
+        engine.add_voice(voice_id(index), embeddings)
+        embed_ms.append((embedded - started) * 1000)
+        add_ms.append((time.perf_counter() - embedded) * 1000)
+    return {"voices": count, "clip_seconds": 5.0,
+            "audio_tokens": int(embeddings.shape[0]) if count else None,
+            "embed_voice_ms_p50": percentile(embed_ms, 50), "add_voice_ms_p50": percentile(add_ms, 50),
+            "embed_voice_ms": [round(v, 1) for v in embed_ms],
+            "add_voice_ms": [round(v, 1) for v in add_ms]}
+
+
+async def single_stream_in_voices(engine: MiniCPMOEngine, args: argparse.Namespace) -> dict:
+    """Single-stream TTFB (median of 3) in the default voice and in a cloned one, per mode."""
+    out = {}
+    for mode in args.modes:
+        row = {}
+        for label, voice in (("default_voice", "default"), ("cloned_voice", voice_id(0))):
+            ttfbs = []
+            for index in range(4):  # the first is a warm-up
+                result = await run_one(engine, make_request(index, mode, args, voice=voice), 0.0)
+                ttfbs.append(result["ttfb_ms"])
+            row[f"ttfb_ms_{label}"] = statistics.median(ttfbs[1:])
+        out[mode] = row
+        print(json.dumps({"single_stream_voices": mode, **row}), flush=True)
+    return out
 
 
 async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float) -> dict:
@@ -127,6 +184,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     realtime_share = sum(r["realtime"] for r in results) / len(results)
     summary = {
         "mode": mode, "arrival": arrival, "concurrency": concurrency, "requests": total,
+        "voices": getattr(args, "voices", 0),
         "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
         "ttfb_ms_p99": percentile(ttfbs, 99), "rtf_p50": percentile(rtfs, 50),
         "realtime_share": realtime_share,
@@ -167,7 +225,9 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             cuda_graphs=not args.no_graphs and max_slots > 1,
                             steps_per_sync=args.steps_per_sync,
                             one_query_attention=args.one_query_attention,
-                            profile_phases=args.profile_phases)
+                            profile_phases=args.profile_phases,
+                            voices=model.clip_encoder is not None,
+                            max_voices=max(getattr(args, "voices", 0), 1))
     return MiniCPMOEngine(model, options)
 
 
@@ -374,7 +434,13 @@ def main() -> None:
     parser.add_argument("--compare-quantization", action="store_true",
                         help="measure bf16 and --quantization on the same random weights")
     parser.add_argument("--logit-prompt-tokens", type=int, default=128)
+    parser.add_argument("--voices", type=int, default=0,
+                        help="register this many cloned voices (synthetic 5 s clips) and spread "
+                             "the requests round-robin over them")
     args = parser.parse_args()
+    if args.voices and (args.compare_quantization or args.baseline != "none"):
+        parser.error("--voices measures the batched engine: use it with --baseline none and "
+                     "without --compare-quantization")
     if args.merge:
         merged = merge_results([json.loads(Path(p).read_text()) for p in args.merge])
         out = Path(args.out or ROOT / "docs" / "benchmarks" / "engine-merged.json")
@@ -396,9 +462,10 @@ def main() -> None:
     if args.checkpoint:
         from serve_app.engines.minicpmo.loader import load_speech_model
         model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype,
-                                  quantization=args.quantization)
+                                  quantization=args.quantization, audio_encoder=args.voices > 0)
     else:
-        model = random_speech_model(args.tts_tokenizer, args.device, dtype)
+        model = random_speech_model(args.tts_tokenizer, args.device, dtype,
+                                    clip_encoder=args.voices > 0)
         quantize_llm(model.llm, args.quantization)
     load_s = time.perf_counter() - started
     print(f"model built in {load_s:.1f} s on {gpu}", flush=True)
@@ -426,6 +493,10 @@ def main() -> None:
 
     max_slots = max(max(levels[m]) for m in args.modes)
     engine = build_engine(model, args, max_slots)
+    if args.voices:
+        result["voice_registration"] = register_voices(engine, args.voices)
+        print(json.dumps(result["voice_registration"]), flush=True)
+        result["single_stream_voices"] = asyncio.run(single_stream_in_voices(engine, args))
     measured = asyncio.run(measure_engine(engine, args, args.modes, levels))
     engine.close()
     sweep = measured["sweep"]

@@ -7,6 +7,9 @@ requests and ``--chat-streams`` greedy chat requests one at a time and then all 
 steps go through the LLM prefill graphs and the LLM step that overlaps the TTS work).
 Writes a JSON with the agreement per dtype (fp32 is expected to agree exactly; bf16 reductions
 differ with the batch shape, so some streams may diverge after a near-tie).
+``--voices N`` registers N cloned voices (synthetic clips) and gives the streams, round-robin,
+the default voice and those voices, so voice turns of different lengths share the prefill
+batches (their cached keys and values, the prefix graphs on a GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ sys.path.insert(0, str(ROOT))
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
 from serve_app.engines.minicpmo.loader import load_speech_model  # noqa: E402
-from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
+from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
+    random_speech_model,
+    synthetic_voice_clip,
+)
 
 TEXTS = ["The quick brown fox jumps over the lazy dog near the quiet river bank.",
          "Streaming speech synthesis turns text into audio while the text is still arriving.",
@@ -53,26 +59,35 @@ async def run(engine: MiniCPMOEngine, requests: list[SpeechRequest], stagger_s: 
 
 
 def check(dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    cloning = args.voices > 0
     if args.checkpoint:
-        model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype)
+        model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype,
+                                  audio_encoder=cloning)
     else:
-        model = random_speech_model(ROOT / "tests" / "golden" / "chattts_tokenizer", args.device, dtype)
+        model = random_speech_model(ROOT / "tests" / "golden" / "chattts_tokenizer", args.device, dtype,
+                                    clip_encoder=cloning)
     options = EngineOptions(device=args.device, max_slots=max(args.streams + args.chat_streams, 2),
-                            max_chat_slots=max(args.chat_streams, 1),
-                            tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy",
-                            keep_traces=True, cuda_graphs=not args.no_graphs)
+                            max_chat_slots=max(args.chat_streams, 1), tts_max_positions=1024,
+                            llm_max_positions=1024 if cloning else 256, tts_sampling="greedy",
+                            keep_traces=True, cuda_graphs=not args.no_graphs, voices=cloning,
+                            max_voices=max(args.voices, 1))
     engine = MiniCPMOEngine(model, options)
+    voices = ["default"] + [f"voice-{i}" for i in range(args.voices)]
+    for index, voice in enumerate(voices[1:]):  # clips of 2 to 6 s: voice turns of many lengths
+        clip = synthetic_voice_clip(index, seconds=2.0 + 4.0 * index / max(args.voices - 1, 1))
+        engine.add_voice(voice, engine.embed_voice(clip, 16_000))
     lengths = LengthControls(ignore_eos=True, audio_frames=args.frames)
 
     chat_lengths = LengthControls(ignore_eos=True, audio_frames=args.frames, llm_tokens=30)
     greedy = SamplingParams(temperature=0.0)
 
     def request(index: int, tag: str) -> SpeechRequest:
+        voice = voices[index % len(voices)]
         if index >= args.streams:
             return SpeechRequest(request_id=f"{tag}-{index}", text=TEXTS[index % len(TEXTS)], mode="chat",
-                                 sampling=greedy, lengths=chat_lengths)
+                                 sampling=greedy, lengths=chat_lengths, voice=voice)
         return SpeechRequest(request_id=f"{tag}-{index}", text=TEXTS[index % len(TEXTS)],
-                             mode="read", lengths=lengths)
+                             mode="read", lengths=lengths, voice=voice)
 
     total = args.streams + args.chat_streams
     spoken: dict[str, str] = {}
@@ -93,7 +108,7 @@ def check(dtype: torch.dtype, args: argparse.Namespace) -> dict:
     del engine, model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return {"dtype": str(dtype).replace("torch.", ""), "streams": total, "read_streams": args.streams,
-            "chat_streams": args.chat_streams, "frames": args.frames,
+            "chat_streams": args.chat_streams, "frames": args.frames, "voices": args.voices,
             "identical_streams": agree, "agreement": agree / total,
             "chat_answers_identical": chat_same, "first_divergent_frame": first_divergence}
 
@@ -107,6 +122,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=150)
     parser.add_argument("--stagger-s", type=float, default=0.05)
     parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--voices", type=int, default=0,
+                        help="cloned voices the streams use round-robin with the default voice")
     parser.add_argument("--checkpoint", default=None,
                         help="a model folder instead of full-size random weights (e.g. the tests' tiny one)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "batch-invariance.json"))

@@ -22,7 +22,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     api = app_args.api
     synthesizer = Synthesizer.options(user_config=app_args.batching.model_dump()).bind(
         app_args.engine, app_args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
-        chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s)
+        chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s,
+        voice_store=api.voice_store)
     encoder = AudioEncoder.bind(synthesizer, first_chunk_timeout_s=api.first_chunk_timeout_s,
                                 chunk_timeout_s=api.chunk_timeout_s)
     return Ingress.bind(encoder, synthesizer, app_args.api.model_dump())

@@ -3,6 +3,10 @@
     python -m serve_app.client "Hello there." -o hello.wav
     tts-client "Hello there." -f mp3 -o - | mpv -
     echo "Read from stdin." | tts-client -o out.flac
+    tts-client voices create ada.wav --name Ada --consent     # prints the new voice's id
+    tts-client voices list
+    tts-client "Hello in Ada's voice." --voice voice_... -o ada.wav
+    tts-client voices delete voice_...
 
 It posts to the native endpoint (``/v1/speech/stream``), writes each piece as it arrives, keeps a
 live progress line on stderr (bytes, seconds of audio, time to first byte) and ends with the time
@@ -168,7 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="audio format (default: from the output's suffix, else wav)")
     parser.add_argument("-m", "--mode", choices=("read", "chat"), default="read",
                         help="read: speak the text; chat: answer it in speech")
-    parser.add_argument("-v", "--voice", default="default", help="voice (see /v1/voices)")
+    parser.add_argument("-v", "--voice", default="default",
+                        help="voice: the engine's (see /v1/voices) or one of yours "
+                             "(a voice_... id, see 'tts-client voices list')")
     parser.add_argument("-r", "--sample-rate", type=int, choices=SAMPLE_RATES_HZ, default=24000,
                         help="output sample rate in Hz (default 24000)")
     parser.add_argument("--speed", type=float, default=1.0, help="speaking rate, 0.25-4.0")
@@ -181,7 +187,85 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", "--host", dest="url", default=os.environ.get("TTS_URL",
+                                                                             DEFAULT_URL),
+                        help=f"service base URL (env TTS_URL; default {DEFAULT_URL})")
+    parser.add_argument("--api-key", default=os.environ.get("TTS_API_KEY"),
+                        help="bearer key, if the service needs one (env TTS_API_KEY)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+
+
+def parse_voices_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tts-client voices",
+        description="Voices cloned from a short clip of someone speaking (engines that clone "
+                    "voices only: minicpmo). A voice belongs to the API key that made it.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    create = commands.add_parser("create", help="create a voice; prints its id")
+    create.add_argument("clip", help="reference clip: wav, flac, ogg or mp3, 1 to 30 s of one "
+                                     "person speaking")
+    create.add_argument("-n", "--name", help="the voice's name (default: the clip's file name)")
+    create.add_argument("--consent", action="store_true",
+                        help="required: you attest that the person speaking in the clip "
+                             "consented to having their voice cloned")
+    commands.add_parser("list", help="your voices: id, name, created")
+    delete = commands.add_parser("delete", help="delete one of your voices")
+    delete.add_argument("voice_id")
+    for command in (create, *(commands.choices[name] for name in ("list", "delete"))):
+        _connection_options(command)
+    return parser.parse_args(argv)
+
+
+def voices_main(argv: list[str]) -> int:
+    """``tts-client voices create|list|delete``: the voices API from the terminal."""
+    args = parse_voices_args(argv)
+    if args.command == "create" and not args.consent:
+        print("tts-client: creating a voice needs --consent: the person speaking in the clip "
+              "must have agreed to having their voice cloned", file=sys.stderr)
+        return 2
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        with httpx.Client(base_url=args.url, timeout=args.timeout, headers=headers) as client:
+            if args.command == "create":
+                clip = Path(args.clip)
+                try:
+                    data = clip.read_bytes()
+                except OSError as exc:
+                    print(f"tts-client: cannot read {clip}: {exc.strerror}", file=sys.stderr)
+                    return 2
+                response = client.post("/v1/audio/voices",
+                                       data={"name": args.name or clip.stem, "consent": "true"},
+                                       files={"audio_sample": (clip.name, data)})
+            elif args.command == "list":
+                response = client.get("/v1/audio/voices")
+            else:
+                response = client.delete(f"/v1/audio/voices/{args.voice_id}")
+    except httpx.HTTPError as exc:
+        print(f"tts-client: request to {args.url} failed: {exc}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
+        print(f"tts-client: HTTP {response.status_code}: {_error_message(response)}",
+              file=sys.stderr)
+        return 1
+    body = response.json()
+    if args.command == "create":
+        print(body["id"])
+        print(f"created voice {body['id']} ({body['name']}); speak with --voice {body['id']}",
+              file=sys.stderr)
+    elif args.command == "list":
+        for voice in body["data"]:
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(voice["created_at"]))
+            print(f"{voice['id']}\t{voice['name']}\t{created}")
+    else:
+        print(f"deleted voice {body['id']}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["voices"]:
+        return voices_main(argv[1:])
     args = parse_args(argv)
     text = sys.stdin.read() if args.text == "-" else args.text
     if not text.strip():

@@ -8,6 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serve_app.text_rule import MAX_TEXT_CHARS
 
+# Where voices live unless api.voice_store says otherwise: a local folder, fine for one machine.
+# On a multi-node cluster point api.voice_store at a shared filesystem (NFS, EFS) mounted at the
+# same path on every node, so every Ingress and Synthesizer replica sees every voice.
+DEFAULT_VOICE_STORE = "~/.local/share/serve_app/voices"
+# The longest reference clip a voice may be cloned from (MiniCPM-o's reference audio, OpenAI's
+# limit for a custom voice's sample).
+MAX_VOICE_CLIP_S = 30.0
+
 
 class BatchingConfig(BaseModel):
     """The synthesizer's ``@serve.batch`` admission knobs; live-changeable via ``user_config``.
@@ -71,6 +79,18 @@ class ApiConfig(BaseModel):
         "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
         "shimmer", "verse"])
     readiness_timeout_s: float = Field(2.0, gt=0)
+    # Voices (POST /v1/audio/voices): where they are stored (a local folder, or a shared one on
+    # a cluster), how many one API key may keep, the largest multipart upload (413 beyond;
+    # speech bodies keep max_body_bytes), the clip's length bounds, uploads one ingress replica
+    # handles at once (503 beyond: each holds its body in memory) and the wait for the
+    # Synthesizer to embed a clip.
+    voice_store: str = DEFAULT_VOICE_STORE
+    max_voices_per_key: int = Field(20, ge=1)
+    max_voice_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024)
+    max_voice_clip_s: float = Field(MAX_VOICE_CLIP_S, gt=0, le=MAX_VOICE_CLIP_S)
+    min_voice_clip_s: float = Field(1.0, gt=0)
+    max_voice_uploads: int = Field(4, ge=1)
+    voice_embed_timeout_s: float = Field(120.0, gt=0)
 
     @field_validator("max_input_chars")
     @classmethod
@@ -79,6 +99,13 @@ class ApiConfig(BaseModel):
             raise ValueError(f"api.max_input_chars is {value}, above the {MAX_TEXT_CHARS} "
                              "characters the engines accept (serve_app.text_rule.MAX_TEXT_CHARS)")
         return value
+
+    @model_validator(mode="after")
+    def _clip_bounds(self) -> "ApiConfig":
+        if self.min_voice_clip_s >= self.max_voice_clip_s:
+            raise ValueError(f"api.min_voice_clip_s ({self.min_voice_clip_s:g} s) must be below "
+                             f"api.max_voice_clip_s ({self.max_voice_clip_s:g} s)")
+        return self
 
 
 class AppArgs(BaseModel):

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 30.0
 
 
+# Calls whose arguments can be megabytes (a clip, a voice's embeddings).
+BULKY_CALLS = frozenset({"embed_voice", "add_voice"})
+
+
 class EngineDeadError(EngineError):
     """The engine process exited; its streams are gone and it takes no more requests."""
 
@@ -201,7 +205,10 @@ class EngineClient:
         message = (("submit", call_id, args[0]) if method == "submit"
                    else ("call", call_id, method, args))
         try:
-            self._send(message)
+            if method in BULKY_CALLS:  # megabytes of audio or embeddings: off the event loop
+                await asyncio.to_thread(self._send, message)
+            else:
+                self._send(message)
         except BaseException:
             self._replies.pop(call_id, None)
             raise

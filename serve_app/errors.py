@@ -15,12 +15,14 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+VOICE_NOT_FOUND = "voice_not_found"
 
 _TYPES_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
@@ -98,3 +100,29 @@ def synthesis_unavailable(request_id: str, cause: BaseException) -> ApiError:
     """A hop below failed (a replica died, say); Serve restarts it, so a retry may succeed."""
     logger.error("request %s: upstream stream failed (%s)", request_id, type(cause).__name__)
     return ApiError(503, "speech synthesis failed; retry shortly", code="synthesis_unavailable")
+
+
+def voice_not_found(voice_id: str) -> ApiError:
+    """No such stored voice for this API key: the same answer whether it never existed, was
+    deleted or belongs to another key."""
+    return ApiError(404, f"voice {voice_id!r} does not exist; see GET /v1/audio/voices",
+                    param="voice", code=VOICE_NOT_FOUND)
+
+
+def voice_cloning_unsupported(engine: str) -> ApiError:
+    """The deployed engine speaks only its own voices."""
+    return ApiError(422, f"the {engine} engine, as deployed, cannot clone voices (the minicpmo "
+                         "engine with engine_options.voices on can)",
+                    param="audio_sample", code="voice_cloning_unsupported")
+
+
+def voice_embedding_failed(cause: BaseException) -> ApiError:
+    logger.error("voice embedding failed (%s)", type(cause).__name__)
+    return ApiError(500, "the voice clip could not be embedded", code="voice_embedding_failed",
+                    error_type="server_error")
+
+
+def voice_store_unavailable() -> ApiError:
+    """The voice store (a local or shared folder) cannot be read or written now."""
+    return ApiError(503, "the voice store is unavailable; retry shortly",
+                    code="voice_store_unavailable")

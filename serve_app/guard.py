@@ -3,7 +3,7 @@
 - :class:`RequestGuard`: the ASGI middleware that runs the checks below before any parsing.
 - :class:`KeyRing`: the accepted API keys, from the config, an environment variable or a file,
   compared in constant time. A key is named in logs by its position only ("key#2"), never by
-  any part of its value.
+  any part of its value; the voices it creates belong to a hash of it (its owner id).
 - :class:`StreamAdmission`: bounds on concurrent speech streams, per key (429) and per ingress
   replica (503 with ``Retry-After``).
 - :class:`RequestRecord`: one log line per request with its id, mode, sizes, time to first
@@ -32,12 +32,15 @@ from serve_app import errors
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
 from serve_app.hops import StreamTimeout
+from serve_app.voices import SHARED_OWNER, owner_of_key
 
 logger = logging.getLogger("serve_app.requests")
 
 REQUEST_ID_HEADER = "x-request-id"
 SPEECH_ROUTES = ("/v1/audio/speech", "/v1/speech/stream")
+VOICES_ROUTE = "/v1/audio/voices"
 JSON_MEDIA_TYPE = "application/json"
+MULTIPART_MEDIA_TYPE = "multipart/form-data"
 
 
 def _split_keys(text: str) -> list[str]:
@@ -52,8 +55,10 @@ class KeyRing:
     """Accepted bearer keys; empty means the service runs without auth."""
 
     def __init__(self, keys: list[str]) -> None:
+        unique = list(dict.fromkeys(keys))
         # Digests of equal length: the comparison time says nothing about a key's length.
-        self._digests = [hashlib.sha256(key.encode()).digest() for key in dict.fromkeys(keys)]
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in unique]
+        self._owners = [owner_of_key(key) for key in unique]
 
     @classmethod
     def from_config(cls, api: ApiConfig) -> "KeyRing":
@@ -97,6 +102,13 @@ class KeyRing:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return f"key#{index}"
+
+    def owner(self, label: str | None) -> str:
+        """The owner id of the voices of the key labelled ``label`` (``authenticate``'s
+        answer); every caller shares one owner when the service runs without keys."""
+        if label is None:
+            return SHARED_OWNER
+        return self._owners[int(label.removeprefix("key#"))]
 
 
 class StreamAdmission:
@@ -213,8 +225,12 @@ class RequestGuard:
 
     Reads the whole (bounded, timed) POST body itself, so a chunked body without Content-Length
     is held to the same limits, then replays it to the app. A speech request holds its stream
-    permit (per key and per replica) until its reply has ended. The app's ``state`` holds the
-    ingress's ``api_config``, ``keys``, ``admission`` and ``metrics``.
+    permit (per key and per replica) until its reply has ended. A voice upload
+    (``POST /v1/audio/voices``) is multipart, up to ``max_voice_upload_bytes``, and holds one of
+    the replica's ``max_voice_uploads`` permits from before its body is read (each holds its
+    body in memory) until its reply. The app's ``state`` holds the ingress's ``api_config``,
+    ``keys``, ``admission``, ``upload_admission`` and ``metrics``; the request's ``state``
+    gets the key's label (``api_key_label``) for the routes.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -230,12 +246,14 @@ class RequestGuard:
         if keys is None:
             keys = KeyRing.from_config(api)
         admission: StreamAdmission | None = getattr(state, "admission", None)
+        uploads: StreamAdmission | None = getattr(state, "upload_admission", None)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", [])}
         record = RequestRecord(scope, headers)
         send = record.watch(send)
         try:
-            await self._guarded(api, keys, admission, record, headers, scope, receive, send)
+            await self._guarded(api, keys, admission, uploads, record, headers, scope, receive,
+                                send)
         except BaseException as exc:
             record.failed(exc)
             raise
@@ -243,15 +261,21 @@ class RequestGuard:
             record.log()
 
     async def _guarded(self, api: ApiConfig, keys: KeyRing, admission: StreamAdmission | None,
-                       record: RequestRecord, headers: dict[str, str], scope: Scope,
-                       receive: Receive, send: Send) -> None:
-        admitted = False
+                       uploads: StreamAdmission | None, record: RequestRecord,
+                       headers: dict[str, str], scope: Scope, receive: Receive,
+                       send: Send) -> None:
+        admitted = uploading = False
         try:
             if record.path.startswith("/v1/"):
                 record.key = keys.authenticate(headers.get("authorization", ""))
+                record.state["api_key_label"] = record.key
             if scope["method"] == "POST":
+                upload = record.path == VOICES_ROUTE
+                if upload and uploads is not None:
+                    uploads.acquire(None)
+                    uploading = True
                 try:
-                    body = await asyncio.wait_for(_read_body(api, headers, receive),
+                    body = await asyncio.wait_for(_read_body(api, headers, receive, upload),
                                                   api.body_timeout_s)
                 except TimeoutError:
                     raise ApiError(408, f"request body not received within "
@@ -262,6 +286,8 @@ class RequestGuard:
                     admission.acquire(record.key)
                     admitted = True
         except ApiError as error:
+            if uploading:
+                uploads.release(None)
             record.rejected(error)
             await json_error(error, scope["app"].state)(scope, receive, send)
             return
@@ -270,17 +296,25 @@ class RequestGuard:
         finally:
             if admitted:
                 admission.release(record.key)
+            if uploading:
+                uploads.release(None)
 
 
-async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive) -> bytes:
+async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive,
+                     upload: bool = False) -> bytes:
+    """The whole body, within its route's media type and size limit (413, 415)."""
     media_type = headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != JSON_MEDIA_TYPE:
+    if upload and media_type != MULTIPART_MEDIA_TYPE:
+        raise ApiError(415, "a voice upload must be multipart/form-data (fields name, consent "
+                            "and the file audio_sample)", code="unsupported_media_type")
+    if not upload and media_type != JSON_MEDIA_TYPE:
         raise ApiError(415, "request body must be JSON (Content-Type: application/json)",
                        code="unsupported_media_type")
-    too_large = ApiError(413, f"request body is larger than {api.max_body_bytes} bytes",
+    limit = api.max_voice_upload_bytes if upload else api.max_body_bytes
+    too_large = ApiError(413, f"request body is larger than {limit} bytes",
                          code="request_too_large")
     declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > api.max_body_bytes:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
     while True:
@@ -288,7 +322,7 @@ async def _read_body(api: ApiConfig, headers: dict[str, str], receive: Receive) 
         if message["type"] == "http.disconnect":
             break
         body.extend(message.get("body", b""))
-        if len(body) > api.max_body_bytes:
+        if len(body) > limit:
             raise too_large
         if not message.get("more_body", False):
             break

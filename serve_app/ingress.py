@@ -14,10 +14,11 @@ import uuid
 from importlib import resources
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,10 +42,23 @@ from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
 from serve_app.speech_socket import router as speech_socket_router
 from serve_app.stream_open import open_stream
 from serve_app.text_rule import check_text
+from serve_app.voices import (
+    VoiceLimitReached,
+    VoiceNotFound,
+    VoiceStore,
+    check_name,
+    decode_clip,
+    resolve_voice,
+    store_call,
+)
 
 logger = logging.getLogger(__name__)
 
 OPENAI_PCM_RATE_HZ = 24000
+# What the consent field of a voice upload may say to affirm it (case and spaces ignored).
+CONSENT_AFFIRMED = ("true", "yes", "1", "on", "affirmed", "i consent")
+CONSENT_DESCRIPTION = ("Required, and must be true: you attest that the person speaking in "
+                       "audio_sample consented to having their voice cloned by this service")
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
@@ -144,6 +158,10 @@ def _request_id(http: Request) -> str:
             or uuid.uuid4().hex)
 
 
+def _invalid(exc: InvalidRequestError) -> ApiError:
+    return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
+
+
 def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz: int) -> None:
     """What RequestGuard's log line says about a speech request; the text only at debug."""
     http.state.speech = {"mode": request.mode, "format": audio_format, "sample_rate_hz": rate_hz,
@@ -168,6 +186,9 @@ class Ingress:
         api_app.state.keys = KeyRing.from_config(self._api)
         api_app.state.admission = StreamAdmission(self._api.max_streams,
                                                   self._api.max_streams_per_key)
+        api_app.state.upload_admission = StreamAdmission(self._api.max_voice_uploads, None)
+        self._voices = VoiceStore(self._api.voice_store)
+        api_app.state.voice_store = self._voices
         logger.info("ingress: %d API keys, at most %d streams (%s per key)",
                     len(api_app.state.keys), self._api.max_streams,
                     self._api.max_streams_per_key or "no limit")
@@ -222,7 +243,8 @@ class Ingress:
         data = [{"id": voice, "engine_voice": voice} for voice in info.voices]
         data += [{"id": alias, "engine_voice": "default"} for alias in self._api.voice_aliases]
         return {"object": "list", "data": data, "modes": info.modes,
-                "native_sample_rate_hz": info.sample_rate_hz}
+                "native_sample_rate_hz": info.sample_rate_hz,
+                "clones_voices": info.clones_voices}
 
     @api_app.post("/v1/audio/speech", summary="OpenAI-compatible speech (streams)",
                   response_class=StreamingResponse)
@@ -234,7 +256,7 @@ class Ingress:
                            param="model", code="model_not_found")
         text = self._checked_text(body.input, "input")
         self._check_instructions(body.instructions)
-        voice = "default" if body.voice in self._api.voice_aliases else body.voice
+        voice = await self._voice(body.voice, http)
         request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
                                 speed=body.speed, seed=body.seed,
                                 max_audio_s=self._api.max_audio_s,
@@ -252,12 +274,127 @@ class Ingress:
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")
+        voice = await self._voice(body.voice, http)
         request = SpeechRequest(request_id=_request_id(http), text=text, mode=body.mode,
-                                voice=body.voice, speed=body.speed, seed=body.seed,
+                                voice=voice, speed=body.speed, seed=body.seed,
                                 max_audio_s=self._api.max_audio_s,
                                 system_prompt=body.instructions or None)
         _describe(http, request, body.format, body.sample_rate)
         return await self._stream(request, body.format, body.sample_rate, received_s)
+
+    # ---- voices ----------------------------------------------------------------------------
+
+    def _owner(self, http: Request) -> str:
+        """The owner id of the caller's voices (a hash of its API key; one shared owner when the
+        service runs without keys)."""
+        keys: KeyRing = api_app.state.keys
+        label = getattr(http.state, "api_key_label", None)
+        if keys.enabled and label is None:  # RequestGuard authenticates every /v1 route
+            raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
+        return keys.owner(label)
+
+    async def _voice(self, voice: str, http: Request) -> str:
+        """The engine voice a speech request asks for: an alias becomes the default voice; a
+        stored voice must belong to the caller (else 404), so a bad one never reaches the GPU."""
+        return await resolve_voice(self._voices, self._owner(http), voice,
+                                   self._api.voice_aliases)
+
+    @api_app.post("/v1/audio/voices", summary="Create a voice from a reference clip",
+                  responses={409: {"description": "the key keeps max_voices_per_key voices"},
+                             413: {"description": "upload larger than max_voice_upload_bytes"},
+                             422: {"description": "the engine cannot clone voices (piper)"}})
+    async def create_voice(
+            self, http: Request,
+            name: str = Form(..., description="The voice's name (1 to 256 characters)"),
+            audio_sample: UploadFile = File(
+                ..., description="The reference clip: wav, flac, ogg or mp3, 1 to 30 s of one "
+                                 "person speaking"),
+            consent: str | None = Form(None, description=CONSENT_DESCRIPTION),
+    ) -> dict[str, Any]:
+        """Multipart form: ``name``, ``audio_sample`` (file), ``consent`` (true). The clip is
+        checked here, embedded once by a Synthesizer replica and stored with the voice."""
+        info = await self._engine_info()
+        if not info.clones_voices:
+            raise errors.voice_cloning_unsupported(info.model_id)
+        if (consent or "").strip().lower() not in CONSENT_AFFIRMED:
+            raise ApiError(400, "consent must be true: attest that the person speaking in "
+                                "audio_sample agreed to having their voice cloned",
+                           param="consent", code="consent_required")
+        try:
+            name = check_name(name)
+        except InvalidRequestError as exc:
+            raise _invalid(exc) from None
+        owner = self._owner(http)
+        limit = self._api.max_voices_per_key
+        voice_limit = ApiError(409, f"this API key already keeps {limit} voices; delete one "
+                                    "first (DELETE /v1/audio/voices/{id})",
+                               code="voice_limit_reached")
+        if await store_call(self._voices.count, owner) >= limit:
+            raise voice_limit
+        data = await audio_sample.read()
+        try:
+            clip = await asyncio.to_thread(decode_clip, data, self._api.min_voice_clip_s,
+                                           self._api.max_voice_clip_s)
+        except InvalidRequestError as exc:
+            raise _invalid(exc) from None
+        embeddings = await self._embed(clip.samples, clip.sample_rate_hz)
+        consent_record = {"attested": True, "statement": CONSENT_DESCRIPTION,
+                          "at": int(time.time())}
+        try:
+            record = await store_call(
+                functools.partial(self._voices.create, owner, name, clip, embeddings,
+                                  consent=consent_record, model_id=info.model_id,
+                                  max_voices=limit))
+        except VoiceLimitReached:
+            raise voice_limit from None
+        logger.info("voice %s created (%.1f s clip, %s, embeddings %s)", record.id,
+                    record.clip_seconds, clip.container,
+                    "x".join(map(str, record.embedding_shape)))
+        return record.public()
+
+    async def _embed(self, samples: Any, sample_rate_hz: int) -> Any:
+        """The clip's embeddings from a Synthesizer replica, or the ApiError it answered."""
+        call = self._synthesizer.embed_voice.remote(samples, sample_rate_hz)
+        try:
+            embedded = await asyncio.wait_for(call, self._api.voice_embed_timeout_s)
+        except TimeoutError:
+            call.cancel()
+            logger.error("voice embedding: no answer within %.0f s",
+                         self._api.voice_embed_timeout_s)
+            raise ApiError(504, "embedding the voice clip timed out", code="timeout",
+                           error_type="server_error") from None
+        except BackPressureError:
+            raise errors.overloaded() from None
+        except Exception as exc:  # a dead or restarting replica: Serve brings it back
+            logger.error("voice embedding failed (%s)", type(exc).__name__)
+            raise errors.not_ready() from None
+        if isinstance(embedded, ApiError):
+            raise embedded
+        return embedded
+
+    @api_app.get("/v1/audio/voices", summary="The voices of the caller's API key")
+    async def list_voices(self, http: Request) -> dict[str, Any]:
+        records = await store_call(self._voices.list, self._owner(http))
+        return {"object": "list", "data": [record.public() for record in records]}
+
+    @api_app.get("/v1/audio/voices/{voice_id}", summary="One of the caller's voices",
+                 responses={404: {"description": "no such voice for this API key"}})
+    async def get_voice(self, voice_id: str, http: Request) -> dict[str, Any]:
+        try:
+            record = await store_call(self._voices.get, self._owner(http), voice_id)
+        except VoiceNotFound:
+            raise errors.voice_not_found(voice_id) from None
+        return record.public()
+
+    @api_app.delete("/v1/audio/voices/{voice_id}", summary="Delete one of the caller's voices",
+                    responses={404: {"description": "no such voice for this API key"}})
+    async def delete_voice(self, voice_id: str, http: Request) -> dict[str, Any]:
+        try:
+            await store_call(self._voices.delete, self._owner(http), voice_id)
+        except VoiceNotFound:
+            raise errors.voice_not_found(voice_id) from None
+        logger.info("voice %s deleted", voice_id)
+        return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
 
     def _checked_text(self, text: str, param: str) -> str:
         """The text under the shared rule (serve_app.text_rule), or a 400."""

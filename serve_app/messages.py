@@ -68,3 +68,5 @@ class EngineInfo:
     # The benchmark-only engine setting in force (random weights, fixed lengths); None in
     # production. /v1/models shows it.
     benchmark: dict | None = None
+    # Whether the engine clones a voice from a reference clip (POST /v1/audio/voices).
+    clones_voices: bool = False

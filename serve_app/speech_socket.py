@@ -38,6 +38,7 @@ from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOp
 from serve_app.routing import PIN_KEYWORD
 from serve_app.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
 from serve_app.stream_open import open_stream
+from serve_app.voices import resolve_voice
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class SpeechSession:
         self.encoder = state.encoder
         self.synthesizer = state.synthesizer
         self.metrics = state.metrics
+        self.voice_store = state.voice_store
         self.request_id = uuid.uuid4().hex
         self.key: str | None = None  # the API key's log label, once authenticated
         self.send_lock = asyncio.Lock()
@@ -174,13 +176,15 @@ class SpeechSession:
         return None
 
     async def open(self, start: SessionStart) -> Any:
-        voice = "default" if start.voice in self.api.voice_aliases else start.voice
-        request = SpeechRequest(request_id=self.request_id, text="", voice=voice,
-                                text_input="streamed", max_audio_s=self.api.max_audio_s,
-                                system_prompt=start.instructions or None)
-        job = EncodeJob(request=request, audio_format=start.response_format,
-                        sample_rate_hz=start.sample_rate, events=True)
         try:
+            # A stored voice must be the caller's key's (else 404), as on the HTTP routes.
+            voice = await resolve_voice(self.voice_store, self.keys.owner(self.key), start.voice,
+                                        self.api.voice_aliases)
+            request = SpeechRequest(request_id=self.request_id, text="", voice=voice,
+                                    text_input="streamed", max_audio_s=self.api.max_audio_s,
+                                    system_prompt=start.instructions or None)
+            job = EncodeJob(request=request, audio_format=start.response_format,
+                            sample_rate_hz=start.sample_rate, events=True)
             first, pieces, self.upstream = await open_stream(self.encoder, job, self.api)
         except ApiError as error:
             raise SessionEnd(_api_error_event(error), CLOSE_NORMAL) from None

@@ -9,6 +9,12 @@ batch (their prefills share a pass), and each request gets its own stream back a
 streams run is then bounded by the engine's slots and ``max_ongoing_requests``; a long stream
 never holds back the admission of the next request. The batching knobs come from the app config
 and change live through ``user_config`` (:meth:`Synthesizer.reconfigure`).
+
+Cloned voices: :meth:`Synthesizer.embed_voice` turns a new voice's clip into embeddings (once,
+at registration; the ingress stores them). A request for a stored voice first makes sure this
+replica's engine has it (:meth:`Synthesizer._ensure_voice_loaded`, reading the embeddings from
+the :class:`~serve_app.voices.VoiceStore`); the engine may evict it later, and a refusal with
+``voice_not_found`` loads it again. Those two methods are the only engine calls for voices.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import time
 from collections import Counter
 from typing import Any, AsyncIterator
 
+import numpy as np
 from ray import serve
 
 from serve_app import errors
-from serve_app.config import BatchingConfig
+from serve_app.config import DEFAULT_VOICE_STORE, BatchingConfig
 from serve_app.engine_client import EngineClient, EngineDeadError
 from serve_app.engines.base import (
     AudioChunk,
@@ -38,6 +45,7 @@ from serve_app.logs import use_replica_log
 from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
 from serve_app.metrics import SynthesizerMetrics
 from serve_app.routing import ROUTER_PATH
+from serve_app.voices import VoiceNotFound, VoiceStore, is_voice_id
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +63,12 @@ def _refused(request_id: str, exc: BaseException) -> ApiError:
     if isinstance(exc, InvalidRequestError):
         return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
     return errors.synthesis_unavailable(request_id, exc)  # the engine process is gone
+
+
+def _voice_evicted(admitted: Admitted) -> bool:
+    """The engine refused the request's voice as not loaded (it evicted it)."""
+    return (isinstance(admitted, ApiError) and admitted.param == "voice"
+            and admitted.code == errors.VOICE_NOT_FOUND)
 
 
 # Fractional CPU by default so the whole app fits two cores; the YAML overrides per profile.
@@ -76,7 +90,8 @@ class Synthesizer:
 
     def __init__(self, engine: str, engine_options: dict[str, Any],
                  first_chunk_timeout_s: float = 60.0, chunk_timeout_s: float = 30.0,
-                 drain_timeout_s: float = 60.0) -> None:
+                 drain_timeout_s: float = 60.0,
+                 voice_store: str = DEFAULT_VOICE_STORE) -> None:
         use_replica_log()
         self._engine_name = engine
         self._first_chunk_timeout_s = first_chunk_timeout_s
@@ -85,6 +100,14 @@ class Synthesizer:
         self._in_flight = 0
         # Loaded and warmed up in its own process before this returns.
         self._engine = EngineClient.start(engine, engine_options)
+        self._voice_store = VoiceStore(voice_store)
+        # Stored voices this replica added to its engine (the engine may have evicted some
+        # since: a voice_not_found refusal says so), one lock per voice being loaded, and how
+        # many loads and clip embeddings this replica did (stats).
+        self._loaded_voices: set[str] = set()
+        self._voice_locks: dict[str, asyncio.Lock] = {}
+        self._voice_loads = 0
+        self._voice_embeds = 0
         self._batch_sizes: Counter[int] = Counter()
         self._metrics = SynthesizerMetrics()
         self._waiting_for_admission: set[str] = set()
@@ -200,8 +223,16 @@ class Synthesizer:
                 self._engine.abort(request_id)
 
     async def _admitted(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
-        """Wait for the request's batch to be submitted, then relay its engine stream."""
-        admitted: Admitted = await self._batched(request)
+        """Load the request's stored voice if need be, wait for the request's batch to be
+        submitted, then relay its engine stream."""
+        stored_voice = self._clones_voices and is_voice_id(request.voice)
+        missing = await self._ensure_voice_loaded(request.voice) if stored_voice else None
+        admitted: Admitted = missing or await self._batched(request)
+        if stored_voice and not missing and _voice_evicted(admitted):
+            # Evicted between its load and this submission (other voices came in): once more.
+            self._loaded_voices.discard(request.voice)
+            admitted = (await self._ensure_voice_loaded(request.voice)
+                        or await self._batched(request))
         self._waiting_for_admission.discard(request.request_id)
         if isinstance(admitted, ApiError):
             yield admitted
@@ -210,6 +241,69 @@ class Synthesizer:
             yield TextInputOpen(serve.get_replica_context().replica_id.unique_id)
         async for chunk in admitted:
             yield chunk
+
+    @property
+    def _clones_voices(self) -> bool:
+        return self._engine.clones_voices
+
+    async def _ensure_voice_loaded(self, voice_id: str) -> ApiError | None:
+        """Make sure the engine holds the stored voice ``voice_id``: add it with the embeddings
+        from the store unless this replica already did. None when it is there; a 404 ApiError
+        when the store has no such voice (deleted meanwhile)."""
+        if voice_id in self._loaded_voices:
+            return None
+        lock = self._voice_locks.setdefault(voice_id, asyncio.Lock())
+        try:
+            async with lock:  # concurrent first requests for one voice load it once
+                if voice_id in self._loaded_voices:
+                    return None
+                try:
+                    embeddings = await asyncio.to_thread(self._voice_store.embeddings, voice_id)
+                except VoiceNotFound:
+                    return errors.voice_not_found(voice_id)
+                except OSError as exc:  # a shared filesystem gone away: retry later
+                    logger.error("voice %s: the store is unavailable (%s)", voice_id,
+                                 type(exc).__name__)
+                    return errors.voice_store_unavailable()
+                try:
+                    await self._engine.call("add_voice", voice_id, embeddings)
+                except (InvalidRequestError, EngineOverloadedError, EngineDeadError) as exc:
+                    # Every loaded voice busy (503), embeddings of another model (4xx), or the
+                    # engine process gone (503).
+                    logger.error("voice %s: the engine refused it (%s)", voice_id,
+                                 getattr(exc, "code", type(exc).__name__))
+                    return _refused(voice_id, exc)
+                # What the engine holds now (it may have dropped others to make room): the
+                # cache stays within the engine's own bound.
+                self._loaded_voices = {voice_id} | (self._loaded_voices
+                                                    & set(await self._engine.voices()))
+                self._voice_loads += 1
+                logger.info("voice %s loaded into the engine (%s)", voice_id,
+                            "x".join(map(str, embeddings.shape)))
+                return None
+        finally:
+            if not lock.locked() and self._voice_locks.get(voice_id) is lock:
+                del self._voice_locks[voice_id]
+
+    async def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray | ApiError:
+        """A new voice's embeddings from its reference clip (float32 mono), computed by the
+        engine, for the ingress to store; an ApiError if the engine refuses the clip or cannot
+        clone voices at all."""
+        if not self._clones_voices:
+            return errors.voice_cloning_unsupported(self._model_id)
+        try:
+            embeddings = await self._engine.call("embed_voice", samples, sample_rate_hz)
+        except (InvalidRequestError, EngineDeadError) as exc:
+            return _refused("voice clip", exc)
+        except Exception as exc:  # one failing clip never takes the replica down
+            logger.exception("embedding a voice clip failed")
+            return errors.voice_embedding_failed(exc)
+        self._voice_embeds += 1
+        return np.ascontiguousarray(embeddings, dtype=np.float32)
+
+    @property
+    def _model_id(self) -> str:
+        return self._engine.model_id
 
     async def feed_text(self, request_id: str, delta: str, done: bool = False, *,
                         pinned_replica: str) -> ApiError | None:
@@ -267,10 +361,13 @@ class Synthesizer:
             raise RuntimeError("the engine process is gone")
 
     async def info(self) -> EngineInfo:
-        return EngineInfo(engine=self._engine_name, model_id=self._engine.model_id,
+        # The engine also lists the stored voices it holds: those belong to API keys and are
+        # listed per key by GET /v1/audio/voices, never here.
+        voices = [voice for voice in await self._engine.voices() if not is_voice_id(voice)]
+        return EngineInfo(engine=self._engine_name, model_id=self._model_id,
                           sample_rate_hz=self._engine.sample_rate_hz,
-                          voices=list(await self._engine.voices()),
-                          modes=list(self._engine.modes), benchmark=self._engine.benchmark)
+                          voices=voices, modes=list(self._engine.modes),
+                          benchmark=self._engine.benchmark, clones_voices=self._clones_voices)
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters (current) plus the sizes of the ``@serve.batch`` batches so far."""
@@ -280,6 +377,8 @@ class Synthesizer:
             "batch_sizes": dict(self._batch_sizes),
             "max_batch_size_formed": max(self._batch_sizes, default=0),
             "batching": self._batching.model_dump(),
+            "voices": {"loaded": len(self._loaded_voices), "loads": self._voice_loads,
+                       "embeds": self._voice_embeds},
         }
 
     def process_info(self) -> dict[str, Any]:

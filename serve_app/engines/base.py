@@ -160,8 +160,27 @@ class Engine(Protocol):
 
     sample_rate_hz: int
     modes: tuple[str, ...]
+    clones_voices: bool  # embed_voice/add_voice work (else they raise InvalidRequestError)
 
-    def voices(self) -> list[str]: ...
+    def voices(self) -> list[str]:
+        """Voice names a request may ask for: ``"default"`` (or the engine's own) and every
+        voice added with :meth:`add_voice` that is still loaded."""
+
+    def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
+        """A reference clip (mono samples at ``sample_rate_hz``) -> the voice's embeddings
+        (float32 [T, D], what :meth:`add_voice` takes). Refuses a bad clip with
+        :class:`InvalidRequestError` (``param="audio_sample"``). Blocking: call it off the
+        event loop. Thread-safe."""
+
+    def add_voice(self, voice_id: str, embeddings: np.ndarray) -> None:
+        """Make ``voice_id`` a voice requests may ask for (replacing one of that id). The engine
+        keeps a bounded number of voices and may drop the least recently used one that no
+        stream uses; a dropped voice is no longer in :meth:`voices` (add it again). Blocking,
+        thread-safe."""
+
+    def remove_voice(self, voice_id: str) -> None:
+        """Forget ``voice_id`` (no-op if it is not loaded); streams already using it finish in
+        it."""
 
     def validate(self, request: SpeechRequest) -> None:
         """Raise :class:`InvalidRequestError` if the request cannot be served; touches nothing."""
@@ -184,6 +203,29 @@ class Engine(Protocol):
         """Run a throwaway request so the first real one pays no compile/allocation cost."""
 
     def close(self) -> None: ...
+
+
+class WithoutVoiceCloning:
+    """The voice-cloning half of :class:`Engine` for an engine that cannot clone voices: every
+    call is refused with :class:`InvalidRequestError` naming the engine (its ``model_id``)."""
+
+    clones_voices = False
+
+    def _cannot_clone(self) -> InvalidRequestError:
+        name = getattr(self, "model_id", type(self).__name__)
+        return InvalidRequestError(
+            f"the {name} engine cannot clone voices: it speaks with its own voice "
+            "only (deploy the minicpmo engine for cloned voices)", "voice",
+            code="voice_cloning_unsupported")
+
+    def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
+        raise self._cannot_clone()
+
+    def add_voice(self, voice_id: str, embeddings: np.ndarray) -> None:
+        raise self._cannot_clone()
+
+    def remove_voice(self, voice_id: str) -> None:
+        raise self._cannot_clone()
 
 
 def refuse_unsupported(engine: object, request: SpeechRequest) -> None:

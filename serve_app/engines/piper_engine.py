@@ -16,8 +16,7 @@ Streaming and batching:
   next step. Batch > 1 reads each row's length from the duration tensor that piper's
   ``add_alignment_output`` exposes (needs ``onnx``; else batch 1); a padded row matches the piece
   run alone within about 1e-4.
-- Reproducibility: ONNX Runtime draws the noise with no per-request seed, so a request with
-  ``seed`` runs with both noise scales at 0 (exactly deterministic).
+- ``seed``: both noise scales 0 (ONNX Runtime's noise takes no seed), so exactly deterministic.
 - Streamed text input (``text_input="streamed"``): the text fed so far is spoken clause by
   clause as clauses complete (see :func:`~.streamed_text.complete_clauses`).
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
@@ -52,6 +51,7 @@ from serve_app.engines.base import (
     InvalidRequestError,
     RequestAbortedError,
     SpeechRequest,
+    WithoutVoiceCloning,
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
@@ -91,7 +91,7 @@ class _Stream:
                     or not self.fed.open())
 
 
-class PiperEngine:
+class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
     """Continuous-batching Piper engine; see the module docstring for the contract details."""
 
     modes: tuple[str, ...] = ("read",)

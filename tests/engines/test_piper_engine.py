@@ -148,6 +148,20 @@ def test_chat_error_says_the_engine_cannot_chat(engine: PiperEngine) -> None:
         engine.validate(_request("c", mode="chat"))
 
 
+def test_voice_cloning_is_refused_naming_the_engine(engine: PiperEngine) -> None:
+    assert engine.clones_voices is False
+    clip = np.sin(np.linspace(0, 2000, 32_000)).astype(np.float32)
+    for call in (lambda: engine.embed_voice(clip, 16_000),
+                 lambda: engine.add_voice("mine", np.zeros((25, 8), np.float32)),
+                 lambda: engine.remove_voice("mine")):
+        with pytest.raises(InvalidRequestError) as refused:
+            call()
+        assert refused.value.code == "voice_cloning_unsupported"
+        assert refused.value.status_code == 400
+        assert "piper" in refused.value.message and "cannot clone voices" in refused.value.message
+    assert engine.voices() == ["joe"]
+
+
 def test_unseeded_requests_still_speak(engine: PiperEngine) -> None:
     [chunks] = asyncio.run(_collect(engine, [_request("noisy")]))
     audio = _audio(chunks)

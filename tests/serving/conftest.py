@@ -6,6 +6,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,6 +33,7 @@ class Server:
     base_url: str
     api_key: str
     metrics_url: str
+    voice_store: Path
 
     @property
     def auth(self) -> dict[str, str]:
@@ -59,7 +61,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server() -> Server:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
     import ray
     from ray import serve
 
@@ -84,6 +86,7 @@ def server() -> Server:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    voice_store = tmp_path_factory.mktemp("voices")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = AppArgs(
@@ -92,13 +95,14 @@ def server() -> Server:
             # A generous wait so requests fired together surely share a batch.
             batching=BatchingConfig(max_batch_size=8, batch_wait_timeout_s=0.2,
                                     max_concurrent_batches=4),
-            api=ApiConfig(api_key=API_KEY),
+            api=ApiConfig(api_key=API_KEY, voice_store=str(voice_store)),
         )
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, "the service", timeout_s=120)
         yield Server(base_url=base_url, api_key=API_KEY,
-                     metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+                     metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                     voice_store=voice_store)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -21,10 +21,12 @@ PREFIX = "/minicpmo"
 TEXT = "Hello there. Streaming speech comes out while the text is still arriving."
 
 
-def engine_options(checkpoint) -> dict:
+def engine_options(checkpoint, voices: bool = False) -> dict:
+    """``voices``: voice cloning, which needs a checkpoint with the audio encoder (the tiny voice
+    checkpoint; the tiny checkpoint has none)."""
     return {"model": str(checkpoint), "device": "cpu", "dtype": "float32", "max_slots": 4,
             "max_chat_slots": 2, "tts_max_positions": 1024, "llm_max_positions": 256,
-            "tts_sampling": "greedy", "max_segment_frames": 300}
+            "tts_sampling": "greedy", "max_segment_frames": 300, "voices": voices}
 
 
 @pytest.fixture(scope="module")

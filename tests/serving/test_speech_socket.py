@@ -191,7 +191,7 @@ def two_replicas(server: Server) -> Server:
         encoder, synthesizer, ApiConfig(api_key=server.api_key).model_dump())
     serve.run(ingress, name=PINNED_APP, route_prefix=PINNED_PREFIX)
     app = Server(base_url=f"{server.base_url}{PINNED_PREFIX}", api_key=server.api_key,
-                 metrics_url=server.metrics_url)
+                 metrics_url=server.metrics_url, voice_store=server.voice_store)
     wait_ready(app.base_url, "the two-replica app")
     yield app
     serve.delete(PINNED_APP)

@@ -60,8 +60,10 @@ class BenchmarkMode:
                                  llm_tokens=self.chat_tokens if request.mode == "chat" else None)
         return replace(request, lengths=lengths)
 
-    def random_model(self, device: torch.device, dtype: torch.dtype):
-        """Full-size random weights, built straight on ``device``."""
+    def random_model(self, device: torch.device, dtype: torch.dtype, clip_encoder: bool = True):
+        """Full-size random weights, built straight on ``device`` (with ``clip_encoder``, the
+        Whisper-medium audio encoder and projection voice cloning needs too)."""
         from .synthetic import random_speech_model
 
-        return random_speech_model(Path(self.tts_tokenizer), device, dtype)
+        return random_speech_model(Path(self.tts_tokenizer), device, dtype,
+                                   clip_encoder=clip_encoder)

@@ -14,19 +14,24 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
+import numpy as np
+import torch
+
 from ...text_rule import MAX_TEXT_CHARS, check_text
 from ..base import TEXT_INPUTS, AudioChunk, EngineStats, InvalidRequestError, SpeechRequest
 from ..streamed_text import StreamedText
+from .audio_in import prepare_clip
 from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel, load_speech_model
-from .options import EngineOptions
+from .options import EngineOptions, clones_voices
 from .quantization import quantize_llm
 from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
 from .step_loop import StepLoop
+from .voices import DEFAULT_VOICE, VoiceTable, VoiceTurn, check_voice_id, voice_turn
 from .text import (
     GENERATION_PROMPT,
     PIECE_TOKENS,
@@ -60,9 +65,17 @@ class MiniCPMOEngine:
         self._terminators = chat.terminators
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
                                     options.admission_interval_steps)
-        runner = create_runner(model, options, chat.penalty_width)
-        self._loop = StepLoop(model, options, self._scheduler, runner, chat, self._spk_id,
-                              self._gen_prompt_ids)
+        self._runner = create_runner(model, options, chat.penalty_width)
+        # Voice cloning needs the audio encoder (loaded when ``options.voices`` is on).
+        self.clones_voices = clones_voices(model, options)
+        if options.voices and not self.clones_voices:
+            logger.warning("voices are on but the model has no audio encoder: voice cloning is off")
+        self._voices = VoiceTable(options.max_voices)
+        # One clip or voice turn is computed at a time (in the caller's thread, beside the step
+        # thread, on models the step thread only reads and caches of its own).
+        self._voice_work = threading.Lock()
+        self._loop = StepLoop(model, options, self._scheduler, self._runner, chat, self._spk_id,
+                              self._gen_prompt_ids, self._voices)
         self._benchmark = BenchmarkMode.from_options(options.benchmark)
 
     @classmethod
@@ -71,11 +84,13 @@ class MiniCPMOEngine:
         started = time.perf_counter()
         benchmark = BenchmarkMode(**options.benchmark) if options.benchmark else None
         if benchmark is not None and benchmark.random_weights:
-            model = benchmark.random_model(options.resolved_device(), options.resolved_dtype())
+            model = benchmark.random_model(options.resolved_device(), options.resolved_dtype(),
+                                           clip_encoder=options.voices)
             quantize_llm(model.llm, options.quantization)
         else:
             model = load_speech_model(options.model, options.revision, options.resolved_device(),
-                                      options.resolved_dtype(), quantization=options.quantization)
+                                      options.resolved_dtype(), quantization=options.quantization,
+                                      audio_encoder=None if options.voices else False)
         logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
         return cls(model, options)
 
@@ -84,7 +99,70 @@ class MiniCPMOEngine:
         return self.options.served_model_name
 
     def voices(self) -> list[str]:
-        return list(self.options.voices)
+        """``"default"`` and the cloned voices loaded now."""
+        return [DEFAULT_VOICE] + self._voices.names()
+
+    # ---- cloned voices (docs/minicpmo.md, "Cloned voices") ----------------------------------
+
+    def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
+        """A reference clip -> its audio embeddings, float32 [T, LLM hidden] (``add_voice``'s
+        input; T is one per 40 ms). Refuses with ``InvalidRequestError(param="audio_sample")``
+        a clip that is not mono, empty, non-finite, silent, shorter than 1 s or longer than
+        30 s, or at a sample rate outside 8-192 kHz. Blocking; safe from any thread."""
+        self._refuse_without_voices()
+        clip = prepare_clip(samples, sample_rate_hz)
+        with self._voice_work, torch.inference_mode():
+            embeddings = self.model.clip_encoder.embed(clip)
+            return embeddings.float().cpu().numpy()
+
+    def add_voice(self, voice_id: str, embeddings: np.ndarray) -> None:
+        """Register ``voice_id`` (replacing one of that id; streams already in the old one finish
+        in it): its voice turn's LLM keys and values are computed here, once. Drops the least
+        recently used voices no stream holds when ``max_voices`` are loaded; raises
+        :class:`EngineOverloadedError` if every loaded voice is held. Blocking; safe from any
+        thread."""
+        self._refuse_without_voices()
+        check_voice_id(voice_id)
+        audio = self._check_embeddings(embeddings)
+        self._voices.check_room(voice_id)
+        turn = self.voice_turn(len(audio))
+        with self._voice_work, torch.inference_mode():
+            voice = self._runner.voice_prefix(voice_id, turn, torch.from_numpy(audio))
+        dropped = self._voices.add(voice)
+        logger.info("voice %s added (%d prompt tokens, %.1f MB of keys and values)%s", voice_id,
+                    voice.length, voice.nbytes / 1e6,
+                    f"; dropped {', '.join(dropped)}" if dropped else "")
+
+    def remove_voice(self, voice_id: str) -> None:
+        """Forget ``voice_id`` (a no-op if it is not loaded); its running streams finish in it."""
+        self._refuse_without_voices()
+        self._voices.remove(check_voice_id(voice_id))
+
+    def voice_turn(self, audio_tokens: int) -> VoiceTurn:
+        """The voice turn's token ids for ``audio_tokens`` embeddings, and their positions."""
+        tok = self.model.tokenizer
+        return voice_turn(lambda text: tok(text, add_special_tokens=False)["input_ids"],
+                          tok.convert_tokens_to_ids, audio_tokens,
+                          self.model.config.audio.tokens_per_chunk)
+
+    def _check_embeddings(self, embeddings: np.ndarray) -> np.ndarray:
+        width, most = self.model.config.llm.hidden_size, self.model.config.audio.max_audio_tokens
+        array = np.asarray(embeddings) if isinstance(embeddings, np.ndarray) else None
+        if (array is None or array.ndim != 2 or array.dtype.kind != "f" or array.shape[1] != width
+                or not 1 <= array.shape[0] <= most):
+            raise InvalidRequestError(
+                f"voice embeddings must be a float array [T, {width}] with 1 <= T <= {most} "
+                "(what embed_voice returns)", "embeddings", code="invalid_embeddings")
+        if not np.isfinite(array).all():
+            raise InvalidRequestError("voice embeddings hold NaN or infinite values",
+                                      "embeddings", code="invalid_embeddings")
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+    def _refuse_without_voices(self) -> None:
+        if not self.clones_voices:
+            raise InvalidRequestError(
+                "voice cloning is off in this engine (engine_options.voices is false, or the "
+                "model has no audio encoder)", "voice", code="voice_cloning_off")
 
     def count_tokens(self, text: str) -> int:
         """LLM tokens of ``text`` (usage's input tokens)."""
@@ -110,19 +188,24 @@ class MiniCPMOEngine:
         if request.mode == "read" and not streamed and not has_speakable_text(text):
             raise InvalidRequestError("text holds nothing speakable (no letters or digits)", "text",
                                       code="nothing_to_speak")
-        if request.voice not in self.options.voices:
-            raise InvalidRequestError(f"unknown voice {request.voice!r}", "voice",
-                                      code="unknown_voice")
+        if request.voice != DEFAULT_VOICE:
+            self._voices.prefix_length(request.voice)  # raises voice_not_found
         if request.speed != 1.0:
             raise InvalidRequestError("this engine speaks at speed 1.0 only", "speed")
         request.sampling.validate()
-        if request.mode == "chat":  # the answer needs room in the LLM cache after the prompt
+        if request.mode == "chat":
             prompt_tokens = len(self.model.tokenizer(self._prompt_text(request),
                                                       add_special_tokens=False)["input_ids"])
-            budget = self.options.llm_max_positions - prompt_tokens - len(self._gen_prompt_ids)
-            if budget < PIECE_TOKENS + 1:
-                raise InvalidRequestError("text is too long for a chat turn", "text",
-                                          code="text_too_long")
+            voice_tokens = (self._voices.prefix_length(request.voice)
+                            if request.voice != DEFAULT_VOICE else 0)
+            self._check_chat_room(voice_tokens + prompt_tokens)
+
+    def _check_chat_room(self, prompt_tokens: int) -> None:
+        """A chat answer needs room in the LLM cache after its prompt (voice turn included)."""
+        budget = self.options.llm_max_positions - prompt_tokens - len(self._gen_prompt_ids)
+        if budget < PIECE_TOKENS + 1:
+            raise InvalidRequestError("text is too long for a chat turn", "text",
+                                      code="text_too_long")
 
     def _prompt_text(self, request: SpeechRequest) -> str:
         if request.mode == "read":
@@ -157,13 +240,22 @@ class MiniCPMOEngine:
         return self.submit_plans([self.plan(r) for r in requests])
 
     def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:
-        """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces)."""
+        """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces). Each
+        stream holds its cloned voice from here to its end (the table cannot drop it)."""
         loop = asyncio.get_running_loop()
-        streams = [Stream(plan, asyncio.Queue(), loop, time.perf_counter(),
-                          fed_text=StreamedText(MAX_TEXT_CHARS, len(plan.request.text))
-                          if plan.text_feed is not None else None)
-                   for plan in plans]
-        self._scheduler.enqueue(streams)
+        voices = self._voices.acquire([plan.request.voice for plan in plans])
+        try:
+            for plan, voice in zip(plans, voices):
+                if plan.is_chat and voice is not None and plan.prompt_ids is not None:
+                    self._check_chat_room(voice.length + len(plan.prompt_ids))  # voice re-added
+            streams = [Stream(plan, asyncio.Queue(), loop, time.perf_counter(),
+                              fed_text=StreamedText(MAX_TEXT_CHARS, len(plan.request.text))
+                              if plan.text_feed is not None else None, voice=voice)
+                       for plan, voice in zip(plans, voices)]
+            self._scheduler.enqueue(streams)
+        except BaseException:
+            self._voices.release(voices)
+            raise
         self._loop.wake()
         return [self._iterate(stream) for stream in streams]
 

@@ -44,14 +44,18 @@ class SlotKVCache:
     """Keys and values of ``num_slots`` streams, ``max_positions`` each, plus one scratch position.
 
     The scratch position (index ``max_positions``) absorbs writes of padded or idle rows; no
-    mask ever lets a query see it.
+    mask ever lets a query see it. ``keys``/``values`` are per-layer views of one tensor each
+    (``all_keys``/``all_values``, [layers, slots, kv_heads, positions, head_dim]), so a span of
+    positions of every layer is written in one copy.
     """
 
     def __init__(self, shape: DecoderShape, num_slots: int, max_positions: int,
                  device: torch.device, dtype: torch.dtype) -> None:
-        size = (num_slots, shape.num_kv_heads, max_positions + 1, shape.head_dim)
-        self.keys = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(size, device=device, dtype=dtype) for _ in range(shape.num_layers)]
+        size = (shape.num_layers, num_slots, shape.num_kv_heads, max_positions + 1, shape.head_dim)
+        self.all_keys = torch.zeros(size, device=device, dtype=dtype)
+        self.all_values = torch.zeros(size, device=device, dtype=dtype)
+        self.keys = list(self.all_keys.unbind(0))
+        self.values = list(self.all_values.unbind(0))
         self.num_slots = num_slots
         self.max_positions = max_positions
         self.scratch_position = max_positions
@@ -64,9 +68,19 @@ class SlotKVCache:
     def clear_slot(self, slot: int, upto: int | None = None) -> None:
         """Zero a slot's positions ``[0, upto)`` (all when ``upto`` is None)."""
         end = self.max_positions + 1 if upto is None else upto
-        for keys, values in zip(self.keys, self.values):
-            keys[slot, :, :end].zero_()
-            values[slot, :, :end].zero_()
+        self.all_keys[:, slot, :, :end].zero_()
+        self.all_values[:, slot, :, :end].zero_()
+
+    def write_prefix(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put keys/values [layers, kv_heads, n, head_dim] at a slot's positions ``0..n-1``."""
+        count = keys.shape[2]
+        self.all_keys[:, slot, :, :count] = keys
+        self.all_values[:, slot, :, :count] = values
+
+    def read_prefix(self, slot: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of a slot's keys/values at positions ``0..count-1`` (``write_prefix``'s form)."""
+        return (self.all_keys[:, slot, :, :count].clone(),
+                self.all_values[:, slot, :, :count].clone())
 
 
 @dataclass

@@ -8,12 +8,14 @@ with transformers' order of processors: repetition penalty, temperature, top-k, 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 
 from .graphs import bucket_sizes, capture_per_bucket
 from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
 from .modeling import QwenLM
+from .voices import VoicePrefix
 from .sampling import (
     apply_repetition_penalty,
     sample_or_argmax,
@@ -95,57 +97,88 @@ class LLMStepGraphs:
 
 
 def llm_prefill(llm: QwenLM, cache: SlotKVCache, ids: torch.Tensor, valid: torch.Tensor,
-                rows: torch.Tensor, contiguous: bool) -> torch.Tensor:
+                rows: torch.Tensor, contiguous: bool, starts: torch.Tensor | None = None,
+                key_count: int | None = None, embeddings: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefill of prompts ``ids`` [B, L] (``valid`` marks real tokens, left-aligned) into
-    ``cache`` rows ``rows`` at positions ``0..L-1``; returns the hidden states [B, L, H].
-    Attention reads only the first L positions of the cache."""
+    ``cache`` rows ``rows`` at positions ``starts + 0..L-1``; returns the hidden states [B, L, H].
+
+    ``starts`` [B] (default 0): a row's first ``starts`` positions already hold the keys and
+    values of its prefix (a voice turn), which its tokens attend to. Attention reads the first
+    ``key_count`` positions of the cache (default L; at least ``max(starts) + L``).
+    ``embeddings`` [B, L, H] replaces the token embeddings of ``ids`` (audio placeholders)."""
     batch, length = ids.shape
     positions = torch.arange(length, device=ids.device).expand(batch, length)
+    if starts is not None:
+        positions = positions + starts[:, None]
     write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
-    step = StepInputs(rows, positions, write, causal_attend(positions, valid, length), contiguous)
-    return llm.hidden_states(ids, cache, step)
+    attend = causal_attend(positions, valid, length if key_count is None else key_count)
+    step = StepInputs(rows, positions, write, attend, contiguous)
+    if embeddings is None:
+        return llm.hidden_states(ids, cache, step)
+    return llm.hidden_states_of_embeddings(embeddings, cache, step)
+
+
+def write_prefixes(cache: SlotKVCache, prefixes: Sequence[VoicePrefix | None]) -> None:
+    """Row i of ``cache`` gets ``prefixes[i]``'s keys and values at its first positions."""
+    for row, prefix in enumerate(prefixes):
+        if prefix is not None:
+            cache.write_prefix(row, prefix.keys, prefix.values)
 
 
 class LLMPrefillGraphs:
-    """:func:`llm_prefill` as CUDA graphs over a cache of its own, per (batch, prompt length)
-    bucket: admission prefills are a few prompts of tens to hundreds of tokens, and eager they
-    cost more in kernel launches than in weight reads. The caller copies the keys and values a
+    """:func:`llm_prefill` as CUDA graphs over a cache of its own, per (batch, prompt length,
+    prefix length) bucket: admission prefills are a few prompts of tens to hundreds of tokens,
+    and eager they cost more in kernel launches than in weight reads. A prompt in a cloned voice
+    starts after its voice turn's keys and values, copied into its row before the replay; a
+    prefix bucket only widens the keys attention reads. The caller copies the keys and values a
     chat stream keeps into its slot."""
 
     def __init__(self, llm: QwenLM, shape: DecoderShape, device: torch.device, dtype: torch.dtype,
-                 max_batch: int = 8, lengths: tuple[int, ...] = (64, 128, 256, 512)) -> None:
+                 max_batch: int = 8, lengths: tuple[int, ...] = (64, 128, 256, 512),
+                 prefix_lengths: tuple[int, ...] = (0,)) -> None:
         self.llm = llm
-        self.cache = SlotKVCache(shape, max_batch, max(lengths), device, dtype)
+        self.cache = SlotKVCache(shape, max_batch, max(prefix_lengths) + max(lengths), device, dtype)
         self.ids = torch.zeros(max_batch, max(lengths), dtype=torch.long, device=device)
         self.valid = torch.zeros(max_batch, max(lengths), dtype=torch.bool, device=device)
+        self.starts = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.rows = torch.arange(max_batch, device=device)
         self.batches = bucket_sizes(max_batch)
         self.lengths = sorted(lengths)
-        self.keys = [(b, n) for b in self.batches for n in self.lengths]
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefix_lengths = sorted(prefix_lengths)
+        self.keys = [(b, n, p) for b in self.batches for n in self.lengths
+                     for p in self.prefix_lengths]
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, index: int) -> torch.Tensor:
-        batch, length = self.keys[index]
+        batch, length, prefix = self.keys[index]
         return llm_prefill(self.llm, self.cache, self.ids[:batch, :length], self.valid[:batch, :length],
-                           self.rows[:batch], True)
+                           self.rows[:batch], True, self.starts[:batch], prefix + length)
 
     def capture_all(self) -> None:
         graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
-    def fits(self, count: int, longest: int) -> bool:
-        return count <= self.batches[-1] and longest <= self.lengths[-1]
+    def fits(self, count: int, longest: int, longest_prefix: int = 0) -> bool:
+        return (count <= self.batches[-1] and longest <= self.lengths[-1]
+                and longest_prefix <= self.prefix_lengths[-1])
 
-    def run(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """``ids``/``valid`` [B, L] on the CPU (within :meth:`fits`); returns hidden [B, L, H],
-        valid until the next replay; keys and values are in ``self.cache`` rows ``0..B-1``."""
+    def run(self, ids: torch.Tensor, valid: torch.Tensor,
+            prefixes: Sequence[VoicePrefix | None]) -> torch.Tensor:
+        """``ids``/``valid`` [B, L] on the CPU and each row's voice prefix (within :meth:`fits`);
+        returns hidden [B, L, H], valid until the next replay; keys and values (prefixes
+        included) are in ``self.cache`` rows ``0..B-1``."""
         count, longest = ids.shape
+        starts = [p.length if p is not None else 0 for p in prefixes]
         batch = next(b for b in self.batches if b >= count)
         length = next(n for n in self.lengths if n >= longest)
+        prefix = next(p for p in self.prefix_lengths if p >= max(starts))
         self.ids[:batch, :length] = 0
         self.valid[:batch, :length] = False
+        self.starts[:batch] = 0
         self.ids[:count, :longest] = ids.to(self.ids.device)
         self.valid[:count, :longest] = valid.to(self.ids.device)
-        graph, out = self.graphs[(batch, length)]
+        self.starts[:count] = torch.tensor(starts, device=self.ids.device)
+        write_prefixes(self.cache, prefixes)
+        graph, out = self.graphs[(batch, length, prefix)]
         graph.replay()
         return out[:count, :longest]

@@ -1,8 +1,9 @@
 """Load the official MiniCPM-o 2.6 checkpoint layout (Hub id or local folder).
 
 Only the speech path is read: ``llm.*`` and ``tts.*`` minus the DVAE encoder and the TTS's
-unused ``embed_tokens``; ``vpm.*``, ``apm.*``, ``resampler.*`` and ``audio_projection_layer.*``
-are never materialised. Modules are built on the meta device and each tensor goes straight
+unused ``embed_tokens``, and for voice cloning (``audio_encoder=True``) the audio-in path
+``apm.*`` and ``audio_projection_layer.*``; the vision side (``vpm.*``, ``resampler.*``) is
+never materialised. Modules are built on the meta device and each tensor goes straight
 from the safetensors file to the target device and dtype, so there is no second full copy in
 host memory.
 """
@@ -21,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .audio_in import ClipEncoder
 from .codec import SpeechDecoder
 from .gptq import GPTQ_PARTS, GPTQConfig, dequantize_gptq_linear
 from .modeling import ModelConfig, QwenLM, SpeechTokenModel
@@ -29,8 +31,9 @@ from .quantization import effective_mode, quantize_linears, require_backend
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_ID = "openbmb/MiniCPM-o-2_6"
-SKIPPED_PREFIXES = ("vpm.", "apm.", "resampler.", "audio_projection_layer.")
-# Files the speech path needs from a Hub snapshot (vision/audio-in code and assets are skipped).
+SKIPPED_PREFIXES = ("vpm.", "resampler.")
+AUDIO_IN_PREFIXES = ("apm.", "audio_projection_layer.")
+# Files the speech path needs from a Hub snapshot (vision code and assets are skipped).
 HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "vocab.json", "merges.txt", "added_tokens.json",
@@ -46,6 +49,7 @@ class LoadedModel:
     tokenizer: object
     tts_tokenizer: object
     path: Path
+    clip_encoder: ClipEncoder | None = None  # the audio-in path, for voice cloning
 
 
 def resolve_checkpoint(model: str, revision: str | None = None) -> Path:
@@ -104,6 +108,10 @@ def _llm_key(key: str) -> bool:
 def _tts_key(key: str) -> bool:
     return (key.startswith("tts.") and not key.startswith("tts.dvae.")
             and not key.startswith("tts.model.embed_tokens."))
+
+
+def _audio_in_key(key: str) -> bool:
+    return key.startswith(AUDIO_IN_PREFIXES)
 
 
 def fold_weight_norm(magnitude: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
@@ -208,11 +216,26 @@ def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch
     return llm
 
 
+def load_clip_encoder(path: Path, config: ModelConfig, device: torch.device,
+                      dtype: torch.dtype) -> ClipEncoder:
+    """The audio-in path (``apm.*``, ``audio_projection_layer.*``; config ``audio_config``,
+    ``audio_pool_step``, ``audio_chunk_length``)."""
+    if config.audio is None:
+        raise ValueError(f"{path}: config.json has no audio_config, so no audio encoder for "
+                         "voice cloning (turn engine_options.voices off)")
+    with torch.device("meta"):
+        encoder = ClipEncoder(config.audio, config.llm.hidden_size)
+    _assign(encoder, dict(iter_tensors(path, _audio_in_key, device, dtype)), "audio encoder")
+    return encoder.eval()
+
+
 def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None,
                       device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                       codec_dtype: torch.dtype = torch.float32,
-                      quantization: str = "none") -> LoadedModel:
-    """Load LLM, TTS, DVAE decoder, Vocos and both tokenizers from the official layout.
+                      quantization: str = "none", audio_encoder: bool | None = False) -> LoadedModel:
+    """Load LLM, TTS, DVAE decoder, Vocos and both tokenizers from the official layout, and
+    with ``audio_encoder`` the audio-in path voice cloning needs (None: if the checkpoint's
+    config has one; True: it must).
 
     The checkpoint may be the bf16 one or the GPTQ int4 one (``openbmb/MiniCPM-o-2_6-int4``);
     ``quantization`` (``none | int8 | int4``) applies to the LLM's decoder linears.
@@ -242,7 +265,10 @@ def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None
     from transformers import BertTokenizerFast
 
     tts_tokenizer = BertTokenizerFast.from_pretrained(str(path / "assets" / "chattts_tokenizer"))
-    return LoadedModel(config, llm, tts, decoder, tokenizer, tts_tokenizer, path)
+    if audio_encoder is None:
+        audio_encoder = config.audio is not None
+    clip_encoder = load_clip_encoder(path, config, device, dtype) if audio_encoder else None
+    return LoadedModel(config, llm, tts, decoder, tokenizer, tts_tokenizer, path, clip_encoder)
 
 
 def load_llm_tokenizer(path: Path):

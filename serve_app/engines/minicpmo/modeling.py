@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,68 @@ class TTSConfig:
         return self.condition_length - 1
 
 
+MEL_FRAMES_PER_S = 100  # Whisper features: one frame per 10 ms
+_WHISPER_ENCODER_FIELDS = ("d_model", "num_mel_bins", "max_source_positions", "scale_embedding",
+                           "activation_function", "dropout", "attention_dropout",
+                           "activation_dropout")
+
+
+def encoder_frames(mel_frames: int) -> int:
+    """Frames after the encoder's stride-2 convolution."""
+    return (mel_frames - 1) // 2 + 1
+
+
+def pooled_frames(frames: int, pool_step: int) -> int:
+    return (frames - pool_step) // pool_step + 1
+
+
+@dataclass(frozen=True)
+class AudioInConfig:
+    """What ``config.json`` says about the audio-in path."""
+
+    encoder: dict[str, Any]  # ``audio_config``: a WhisperConfig
+    pool_step: int = 2
+    chunk_length_s: float = 1.0
+
+    @classmethod
+    def from_config(cls, raw: dict) -> "AudioInConfig | None":
+        """None for a checkpoint without an audio encoder."""
+        if not raw.get("audio_config"):
+            return None
+        return cls(encoder=dict(raw["audio_config"]), pool_step=int(raw.get("audio_pool_step", 2)),
+                   chunk_length_s=float(raw.get("audio_chunk_length", 1.0)))
+
+    def whisper_config(self):
+        """A ``WhisperConfig`` of the encoder's own fields (the decoder's are never used)."""
+        from transformers import WhisperConfig
+
+        fields = {k: v for k, v in self.encoder.items()
+                  if k.startswith("encoder_") or k in _WHISPER_ENCODER_FIELDS}
+        config = WhisperConfig(**fields)
+        config._attn_implementation = "sdpa"
+        return config
+
+    @property
+    def encoder_width(self) -> int:
+        """The width upstream projects from (``encoder_ffn_dim // 4``, the encoder's d_model)."""
+        return int(self.encoder["encoder_ffn_dim"]) // 4
+
+    @property
+    def chunk_frames(self) -> int:
+        """Encoder frames per attention chunk (50 for 1 s)."""
+        return encoder_frames(int(self.chunk_length_s * MEL_FRAMES_PER_S))
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """Audio embeddings (LLM placeholders) per chunk: 25 for 1 s."""
+        return pooled_frames(self.chunk_frames, self.pool_step)
+
+    @property
+    def max_audio_tokens(self) -> int:
+        """Audio embeddings of the longest clip (750 for 30 s)."""
+        return pooled_frames(int(self.encoder.get("max_source_positions", 1500)), self.pool_step)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs from ``config.json``."""
@@ -65,6 +128,7 @@ class ModelConfig:
     llm: DecoderShape
     vocab_size: int
     tts: TTSConfig
+    audio: AudioInConfig | None = None  # the audio-in path (voice cloning); None if absent
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -76,7 +140,8 @@ class ModelConfig:
             qkv_bias=True)
         known = TTSConfig.__dataclass_fields__
         tts = TTSConfig(**{k: v for k, v in raw["tts_config"].items() if k in known})
-        return cls(llm=llm, vocab_size=raw["vocab_size"], tts=tts)
+        return cls(llm=llm, vocab_size=raw["vocab_size"], tts=tts,
+                   audio=AudioInConfig.from_config(raw))
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -109,12 +174,18 @@ class QwenLM(nn.Module):
         """Final-norm hidden states [B, S, H] of ``token_ids`` [B, S]."""
         return self.model(self.model.embed_tokens(token_ids), cache, step)
 
+    def hidden_states_of_embeddings(self, embeddings: torch.Tensor, cache: SlotKVCache,
+                                    step: StepInputs) -> torch.Tensor:
+        """Final-norm hidden states [B, S, H] of input embeddings [B, S, H]."""
+        return self.model(embeddings, cache, step)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
 
-class SpkProjector(nn.Module):
-    """``projector``: MLP llm_dim -> hidden -> hidden with ReLU."""
+class Projector(nn.Module):
+    """Two linear layers with a ReLU, in_dim -> out_dim -> out_dim: the TTS model's
+    ``projector`` and the ``audio_projection_layer``."""
 
     def __init__(self, in_dim: int, out_dim: int) -> None:
         super().__init__()
@@ -136,7 +207,7 @@ class SpeechTokenModel(nn.Module):
     def __init__(self, config: TTSConfig, shape: DecoderShape) -> None:
         super().__init__()
         self.config = config
-        self.projector = SpkProjector(config.llm_dim, config.hidden_size)
+        self.projector = Projector(config.llm_dim, config.hidden_size)
         self.emb_code = nn.ModuleList(
             [nn.Embedding(config.num_audio_tokens, config.hidden_size) for _ in range(config.num_vq)])
         self.emb_text = nn.Embedding(config.num_text_tokens, config.hidden_size)

@@ -27,7 +27,8 @@ class EngineOptions:
     chunk_frames: int = 25
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: int = 2048
-    voices: tuple[str, ...] = ("default",)
+    voices: bool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one
+    max_voices: int = 32  # cloned voices kept loaded (LRU); each holds its prompt's LLM keys/values
     served_model_name: str = "MiniCPM-o-2_6"  # what /v1/models shows (never a local path)
     keep_traces: bool = False  # tests: keep each finished stream's codes (see ``trace``)
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
@@ -48,6 +49,10 @@ class EngineOptions:
             raise ValueError(f"one_query_attention must be one of {ONE_QUERY_KERNELS}")
         if self.steps_per_sync < 1:
             raise ValueError("steps_per_sync must be at least 1")
+        if not isinstance(self.voices, bool):
+            raise ValueError("voices must be true or false (voice cloning on or off)")
+        if self.max_voices < 1:
+            raise ValueError("max_voices must be at least 1")
 
     @classmethod
     def from_raw(cls, raw: dict[str, object]) -> "EngineOptions":
@@ -55,8 +60,6 @@ class EngineOptions:
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown engine options: {sorted(unknown)}")
-        if "voices" in raw:
-            raw = dict(raw, voices=tuple(raw["voices"]))  # type: ignore[arg-type]
         return cls(**raw)  # type: ignore[arg-type]
 
     def resolved_device(self) -> torch.device:
@@ -69,3 +72,8 @@ class EngineOptions:
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return {"bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float32": torch.float32}[self.dtype]
+
+
+def clones_voices(model, options: EngineOptions) -> bool:
+    """Voice cloning is on: ``voices`` asks for it and the model has its audio encoder."""
+    return options.voices and getattr(model, "clip_encoder", None) is not None

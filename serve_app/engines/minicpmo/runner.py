@@ -35,14 +35,19 @@ from .llm_step import (
     llm_decode_step,
     llm_prefill,
     sample_next_token,
+    write_prefixes,
 )
 from .loader import LoadedModel
-from .options import EngineOptions
+from .options import EngineOptions, clones_voices
 from .speech_schedule import TextPrefill
+from .voices import VoicePrefix, VoiceTurn, prefix_length
 
 logger = logging.getLogger(__name__)
 
 PREFILL_BATCH = 8  # admission prefills this many prompts per pass
+# Voice-turn lengths the admission prefill graphs are captured for (a 30 s clip's turn is about
+# 825 tokens); a longer prefix runs eagerly.
+VOICE_PREFIX_BUCKETS = (0, 256, 1024)
 
 
 class ModelRunner:
@@ -75,11 +80,14 @@ class ModelRunner:
 
     # ---- LLM ---------------------------------------------------------------------------------
 
-    def prefill_prompts(self, prompts: Sequence[list[int]], slots: Sequence[int], spk_id: int,
-                        chat_rows: Sequence[int], llm_slots: Sequence[int]) -> torch.Tensor | None:
-        """One LLM prefill of up to :data:`PREFILL_BATCH` prompts: row i's speaker embedding (the
-        hidden state at its last ``spk_id``) goes to TTS slot ``slots[i]``; rows ``chat_rows``
-        keep their keys and values in LLM slots ``llm_slots`` and get their next-token logits."""
+    def prefill_prompts(self, prompts: Sequence[list[int]], voices: Sequence[VoicePrefix | None],
+                        slots: Sequence[int], spk_id: int, chat_rows: Sequence[int],
+                        llm_slots: Sequence[int]) -> torch.Tensor | None:
+        """One LLM prefill of up to :data:`PREFILL_BATCH` prompts, each after its voice's turn
+        (``voices[i]``: its cached keys and values; None for the default voice): row i's speaker
+        embedding (the hidden state at its last ``spk_id``) goes to TTS slot ``slots[i]``; rows
+        ``chat_rows`` keep their keys and values (voice turn included) in LLM slots
+        ``llm_slots`` and get their next-token logits."""
         longest = max(len(p) for p in prompts)
         batch = len(prompts)
         ids = torch.zeros(batch, longest, dtype=torch.long)
@@ -87,7 +95,7 @@ class ModelRunner:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
             valid[i, : len(p)] = True
-        hidden, cache = self.llm_prefill(ids, valid)
+        hidden, cache = self.llm_prefill(ids, valid, voices)
         every = torch.arange(batch, device=self.device)
         spk_index = torch.tensor([max(i for i, t in enumerate(p) if t == spk_id) for p in prompts],
                                  device=self.device)
@@ -99,20 +107,55 @@ class ModelRunner:
         # them (positions past a prompt's end are rewritten by decoding before any query sees them)
         rows = torch.tensor(list(chat_rows), device=self.device)
         targets = torch.tensor(list(llm_slots), device=self.device)
-        longest_chat = max(len(prompts[i]) for i in chat_rows)
+        longest_chat = max(prefix_length(voices[i]) + len(prompts[i]) for i in chat_rows)
         for source, target in ((cache.keys, self.llm_cache.keys), (cache.values, self.llm_cache.values)):
             for layer_source, layer_target in zip(source, target):
                 layer_target[targets, :, :longest_chat] = layer_source[rows, :, :longest_chat]
         last = torch.tensor([len(prompts[i]) - 1 for i in chat_rows], device=self.device)
         return self.model.llm.logits(hidden[rows, last])
 
-    def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, SlotKVCache]:
-        """Hidden states [B, L, H] of prompts ``ids`` [B, L] (CPU), and the cache holding them."""
+    def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor,
+                    voices: Sequence[VoicePrefix | None]) -> tuple[torch.Tensor, SlotKVCache]:
+        """Hidden states [B, L, H] of prompts ``ids`` [B, L] (CPU), each after its voice's turn,
+        and the cache holding them (voice turns included)."""
         batch, longest = ids.shape
-        cache = SlotKVCache(self.model.config.llm, batch, longest, self.device, self.dtype)
+        starts = [prefix_length(v) for v in voices]
+        key_count = max(starts) + longest
+        cache = SlotKVCache(self.model.config.llm, batch, key_count, self.device, self.dtype)
+        write_prefixes(cache, voices)
         hidden = llm_prefill(self.model.llm, cache, ids.to(self.device), valid.to(self.device),
-                             torch.arange(batch, device=self.device), True)
+                             torch.arange(batch, device=self.device), True,
+                             torch.tensor(starts, device=self.device), key_count)
         return hidden, cache
+
+    def prompt_embeddings(self, token_ids: Sequence[int], audio_positions: Sequence[int],
+                          audio: torch.Tensor) -> torch.Tensor:
+        """The LLM input embeddings [L, H] of ``token_ids`` with audio embeddings ``audio``
+        [T, H] at ``audio_positions`` (the ``<unk>`` placeholders), in order."""
+        ids = torch.tensor(list(token_ids), device=self.device)
+        embeddings = self.model.llm.model.embed_tokens(ids)
+        positions = torch.tensor(list(audio_positions), device=self.device, dtype=torch.long)
+        embeddings[positions] = audio.to(self.device, embeddings.dtype)
+        return embeddings
+
+    def prefill_with_audio(self, token_ids: Sequence[int], audio_positions: Sequence[int],
+                           audio: torch.Tensor) -> tuple[torch.Tensor, SlotKVCache]:
+        """One prompt with audio embeddings at ``audio_positions`` (:meth:`prompt_embeddings`):
+        hidden states [L, H] and the cache holding its keys and values (row 0). Eager, on a
+        cache of its own: safe beside the step thread."""
+        embeddings = self.prompt_embeddings(token_ids, audio_positions, audio)[None]
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        cache = SlotKVCache(self.model.config.llm, 1, ids.shape[1], self.device, self.dtype)
+        hidden = llm_prefill(self.model.llm, cache, ids, torch.ones_like(ids, dtype=torch.bool),
+                             torch.zeros(1, dtype=torch.long, device=self.device), True,
+                             embeddings=embeddings)
+        return hidden[0], cache
+
+    def voice_prefix(self, voice_id: str, turn: VoiceTurn, audio: torch.Tensor) -> VoicePrefix:
+        """A voice turn's LLM keys and values, computed once for every request in the voice."""
+        _, cache = self.prefill_with_audio(turn.token_ids, turn.audio_positions, audio)
+        keys, values = cache.read_prefix(0, len(turn.token_ids))
+        return VoicePrefix(voice_id, list(turn.token_ids), keys, values)
 
     def sample_first_tokens(self, logits: torch.Tensor, inputs: LLMStepInputs) -> list[int]:
         """Sample from prefill logits with the decode step's processors."""
@@ -205,8 +248,9 @@ class GraphModelRunner(ModelRunner):
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window)
         self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device)
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
-        self.llm_prefill_graphs = LLMPrefillGraphs(model.llm, model.config.llm, self.device,
-                                                   self.dtype)
+        self.llm_prefill_graphs = LLMPrefillGraphs(
+            model.llm, model.config.llm, self.device, self.dtype,
+            prefix_lengths=VOICE_PREFIX_BUCKETS if clones_voices(model, options) else (0,))
         self.audio_graphs.capture_all()
         self.llm_prefill_graphs.capture_all()
         self.text_prefill_graphs.capture_all()
@@ -220,11 +264,12 @@ class GraphModelRunner(ModelRunner):
         except RuntimeError:
             logger.exception("decode could not be captured as a CUDA graph; decoding eagerly")
 
-    def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, SlotKVCache]:
+    def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor,
+                    voices: Sequence[VoicePrefix | None]) -> tuple[torch.Tensor, SlotKVCache]:
         graphs = self.llm_prefill_graphs
-        if not graphs.fits(*ids.shape):
-            return super().llm_prefill(ids, valid)
-        return graphs.run(ids, valid), graphs.cache
+        if not graphs.fits(*ids.shape, max(prefix_length(v) for v in voices)):
+            return super().llm_prefill(ids, valid, voices)
+        return graphs.run(ids, valid, voices), graphs.cache
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         return self.llm_graphs.run(slots, inputs).tolist()

@@ -17,6 +17,7 @@ from ..streamed_text import StreamedText, unknown_stream
 from .output import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
+from .voices import VoicePrefix
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     submitted_at: float
     fed_text: StreamedText | None = None  # streamed input: written by callers under the lock
+    voice: VoicePrefix | None = None  # a cloned voice, held from submission to the end
     schedule: SpeechSchedule | None = None
     slot: int = -1
     llm_slot: int = -1
@@ -94,10 +96,10 @@ class Scheduler:
         with self.lock:
             if len(self.pending) + len(streams) > self._max_queued:
                 raise EngineOverloadedError("engine queue is full")
-            for stream in streams:
-                if stream.request_id in self.active or any(
-                        s.request_id == stream.request_id for s in self.pending):
-                    raise InvalidRequestError("duplicate request id", "request_id")
+            ids = [s.request_id for s in streams]
+            if len(set(ids)) < len(ids) or any(
+                    i in self.active or any(s.request_id == i for s in self.pending) for i in ids):
+                raise InvalidRequestError("duplicate request id", "request_id")
             self.pending.extend(streams)
             self._streamed.update((s.request_id, s) for s in streams if s.fed_text is not None)
 

@@ -31,6 +31,7 @@ from .output import StreamingAudioJoiner, emit, join_decoded, send
 from .runner import PREFILL_BATCH, ModelRunner
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
+from .voices import VoiceTable, prefix_length
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,12 @@ class StepLoop:
     """Owns the step thread; the only code that touches running streams and the runner."""
 
     def __init__(self, model: LoadedModel, options: EngineOptions, scheduler: Scheduler,
-                 runner: ModelRunner, chat: ChatText, spk_id: int, gen_prompt_ids: list[int]) -> None:
+                 runner: ModelRunner, chat: ChatText, spk_id: int, gen_prompt_ids: list[int],
+                 voices: VoiceTable) -> None:
         self.model = model
         self.options = options
         self.scheduler = scheduler
+        self.voices = voices
         self.runner = runner
         self.chat = chat
         self._spk_id = spk_id
@@ -142,7 +145,8 @@ class StepLoop:
             self._init_schedule(stream)
 
     def _prefill(self, streams: list[Stream]) -> None:
-        """Prefill the prompts of newly admitted streams, :data:`PREFILL_BATCH` per pass."""
+        """Prefill the prompts of newly admitted streams, :data:`PREFILL_BATCH` per pass (a
+        stream in a cloned voice only its own prompt, after its voice turn's cached keys)."""
         tok = self.model.tokenizer
         prompts = [(s.plan.prompt_ids if s.plan.prompt_ids is not None
                     else tok(s.plan.prompt, add_special_tokens=False)["input_ids"])
@@ -153,13 +157,14 @@ class StepLoop:
 
     def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]]) -> None:
         chat_rows = [i for i, s in enumerate(streams) if s.plan.is_chat]
-        logits = self.runner.prefill_prompts(prompts, [s.slot for s in streams], self._spk_id,
-                                             chat_rows, [streams[i].llm_slot for i in chat_rows])
+        logits = self.runner.prefill_prompts(prompts, [s.voice for s in streams],
+                                             [s.slot for s in streams], self._spk_id, chat_rows,
+                                             [streams[i].llm_slot for i in chat_rows])
         if logits is None:
             return
         chat_streams = [streams[i] for i in chat_rows]
         for i, stream in zip(chat_rows, chat_streams):
-            self.chat.start(stream, len(prompts[i]))
+            self.chat.start(stream, prefix_length(stream.voice) + len(prompts[i]))
         tokens = self.runner.sample_first_tokens(logits, self.chat.inputs(chat_streams))
         for stream, token in zip(chat_streams, tokens):
             self._accept_token(stream, token)
@@ -284,11 +289,17 @@ class StepLoop:
         audio = self.runner.decode([j.frames for _, j in real]) if real else []
         join_decoded([(s, j, a) for (s, j), a in zip(real, audio)], jobs)
 
+    def _release_voice(self, stream: Stream) -> None:
+        """The stream no longer holds its voice (the table may drop it again)."""
+        self.voices.release([stream.voice])
+        stream.voice = None
+
     def _complete(self, stream: Stream) -> None:
         if self.options.keep_traces and stream.schedule is not None:
             self._traces[stream.request_id] = stream.schedule
         tail = stream.joiner.finish() if stream.joiner is not None else np.zeros(0, np.float32)
         self.scheduler.release(stream)
+        self._release_voice(stream)
         emit(stream, tail, final=True)
         stream.done = True
         self.scheduler.count(completed=1)
@@ -297,12 +308,14 @@ class StepLoop:
         if stream.done:
             return
         self.scheduler.release(stream)
+        self._release_voice(stream)
         stream.done = True
         self.scheduler.count(failed=1)
         send(stream, error)
 
     def _end_aborted(self) -> None:
         for stream in self.scheduler.take_aborted():
+            self._release_voice(stream)
             stream.done = True
             send(stream, RequestAbortedError("aborted"))
 

@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -77,8 +78,15 @@ REAL_TTS_CONFIG = dict(llm_dim=3584, hidden_size=768, intermediate_size=3072,
                        num_text_tokens=21178, num_vq=4, num_spk_embs=1,
                        streaming_text_chunk_size=10, streaming_text_reserved_len=300,
                        streaming_audio_chunk_size=50, top_p=0.7, top_k=20, repetition_penalty=1.0)
+# Whisper-medium's encoder, as the real checkpoint's ``audio_config`` has it
+REAL_AUDIO_CONFIG = dict(audio_config=dict(model_type="whisper", d_model=1024, encoder_layers=24,
+                                           encoder_attention_heads=16, encoder_ffn_dim=4096,
+                                           num_mel_bins=80, max_source_positions=1500,
+                                           activation_function="gelu"),
+                         audio_pool_step=2, audio_chunk_length=1.0)
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|spk_bos|>", "<|spk|>",
-                  "<|spk_eos|>", "<|tts_bos|>", "<|tts_eos|>", "<unk>")
+                  "<|spk_eos|>", "<|tts_bos|>", "<|tts_eos|>", "<unk>", "<|audio_start|>",
+                  "<|audio_end|>")
 
 
 def word_level_tokenizer(vocab_size: int):
@@ -101,14 +109,17 @@ def word_level_tokenizer(vocab_size: int):
 
 
 def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.device = "cuda",
-                        dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+                        dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                        clip_encoder: bool = False):
     """The real config's shapes with random weights, built straight on ``device``.
 
     TTS special ids follow ``tts_tokenizer_dir`` (the golden ChatTTS tokenizer) so its text
-    layout is valid; everything else is the official size.
+    layout is valid; everything else is the official size. ``clip_encoder``: the audio-in
+    path too (Whisper-medium encoder and projection, for voice cloning).
     """
     from transformers import BertTokenizerFast
 
+    from .audio_in import ClipEncoder
     from .codec import SpeechDecoder
     from .loader import LoadedModel
     from .modeling import ModelConfig, QwenLM, SpeechTokenModel
@@ -117,13 +128,16 @@ def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.devic
     tts = dict(REAL_TTS_CONFIG, spk_emb_token_id=tts_tokenizer.convert_tokens_to_ids("[spk_emb]"),
                audio_bos_token_id=tts_tokenizer.convert_tokens_to_ids("[Ptts]"),
                text_eos_token_id=tts_tokenizer.convert_tokens_to_ids("[Etts]"))
-    config = ModelConfig.from_dict(dict(REAL_LLM_CONFIG, tts_config=tts))
+    config = ModelConfig.from_dict(dict(REAL_LLM_CONFIG, tts_config=tts, **REAL_AUDIO_CONFIG))
     device = torch.device(device)
     torch.manual_seed(seed)
     with torch.device("meta"):
         llm = QwenLM(config.llm, config.vocab_size)
         tts_model = SpeechTokenModel(config.tts, config.tts_shape())
-    for module in (llm, tts_model):
+        audio = ClipEncoder(config.audio, config.llm.hidden_size) if clip_encoder else None
+    for module in (llm, tts_model, audio):
+        if module is None:
+            continue
         module.to_empty(device=device)
         for name, param in module.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -135,4 +149,18 @@ def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.devic
         module.to(dtype).eval()
     decoder = SpeechDecoder().to(device).eval()
     return LoadedModel(config, llm, tts_model, decoder, word_level_tokenizer(config.vocab_size),
-                       tts_tokenizer, Path(tts_tokenizer_dir))
+                       tts_tokenizer, Path(tts_tokenizer_dir), audio)
+
+
+def synthetic_voice_clip(seed: int, seconds: float = 5.0, sample_rate_hz: int = 16_000) -> np.ndarray:
+    """A deterministic voice-like reference clip (float32 mono, peak 0.5) for tests and
+    benchmarks: eight harmonics of a pitch between 90 and 250 Hz drawn from ``seed``, a slow
+    syllable-like amplitude modulation and a little noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sample_rate_hz)) / sample_rate_hz
+    pitch = 90.0 + 160.0 * rng.random()
+    wave = sum(rng.random() / k * np.sin(2 * np.pi * k * pitch * t + 2 * np.pi * rng.random())
+               for k in range(1, 9))
+    wave = wave * (0.6 + 0.4 * np.sin(2 * np.pi * (2.0 + 3.0 * rng.random()) * t))
+    wave = wave + 0.01 * rng.standard_normal(t.size)
+    return (0.5 * wave / np.abs(wave).max()).astype(np.float32)

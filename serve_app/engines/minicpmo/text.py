@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 GENERATION_PROMPT = "<|im_end|>\n<|im_start|>assistant\n<|spk_bos|><|spk|><|spk_eos|><|tts_bos|>"
 READ_INSTRUCTION = "Please read the text below.\n"
+VOICE_INSTRUCTION = "Clone the voice in the provided audio prompt."  # upstream's voice-cloning turn
 DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant. You can accept audio and text input and "
                          "output voice and text.")
 TERMINATOR_TOKENS = ("<|im_end|>", "<|endoftext|>")

@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from serve_app.engines.minicpmo.loader import SKIPPED_PREFIXES, iter_tensors, load_speech_model
+from serve_app.engines.minicpmo.loader import (
+    AUDIO_IN_PREFIXES,
+    SKIPPED_PREFIXES,
+    iter_tensors,
+    load_speech_model,
+)
+from tests.golden_voice.checkpoint import load_manifest as load_voice_manifest
 
 
 def write_sharded_bf16(source, target) -> None:
@@ -48,3 +55,26 @@ def test_vision_and_audio_input_weights_are_never_read(tiny_checkpoint):
     tts_names = [n for n, _ in model.tts.named_parameters()]
     assert "model.embed_tokens.weight" not in tts_names  # the TTS's unused token table
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.llm.parameters())
+
+
+def test_the_audio_encoder_is_read_only_for_voice_cloning_and_vision_never(voice_checkpoint):
+    names = {spec["name"] for spec in load_voice_manifest()["model_tensors"]}
+    assert any(n.startswith(SKIPPED_PREFIXES) for n in names)  # the decoys are in the file
+    read = [key for key, _ in iter_tensors(voice_checkpoint, lambda key: True, torch.device("cpu"),
+                                           torch.float32)]
+    assert read and not any(key.startswith(SKIPPED_PREFIXES) for key in read)
+    without = load_speech_model(str(voice_checkpoint), device="cpu", dtype=torch.float32)
+    assert without.clip_encoder is None
+    model = load_speech_model(str(voice_checkpoint), device="cpu", dtype=torch.bfloat16,
+                              audio_encoder=True)
+    assert set(model.clip_encoder.state_dict()) == {n for n in names if n.startswith(AUDIO_IN_PREFIXES)}
+    assert all(p.dtype == torch.bfloat16 for p in model.clip_encoder.parameters())
+    config = model.config.audio
+    assert (config.pool_step, config.chunk_length_s, config.tokens_per_chunk,
+            config.max_audio_tokens) == (2, 1.0, 25, 750)
+
+
+def test_a_checkpoint_without_an_audio_encoder_refuses_voice_cloning(tiny_checkpoint):
+    with pytest.raises(ValueError, match="audio_config"):
+        load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32,
+                          audio_encoder=True)

@@ -34,3 +34,16 @@ def test_unknown_init_rule_is_refused():
         assert "gaussian" in str(error)
     else:
         raise AssertionError("unknown init rule accepted")
+
+
+def test_voice_checkpoint_holds_the_audio_encoder_and_the_decoys(voice_checkpoint):
+    from tests.golden_voice.checkpoint import load_manifest as load_voice_manifest
+
+    specs = {spec["name"]: spec for spec in load_voice_manifest()["model_tensors"]}
+    with safe_open(str(voice_checkpoint / "model.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) == set(specs)
+        for name in ("apm.embed_positions.weight", "audio_projection_layer.linear1.weight"):
+            spec = specs[name]
+            assert torch.equal(handle.get_tensor(name),
+                               synthetic_tensor(name, spec["shape"], spec["init"]))
+    assert any(name.startswith(("vpm.", "resampler.")) for name in specs)
