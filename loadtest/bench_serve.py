@@ -19,6 +19,7 @@ own session), a later call with ``--reuse`` measures against it, and ``--merge``
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -76,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="bench_engine.py's JSON from this machine, shown beside the served")
     parser.add_argument("--stop-after-ttfb-ms", type=float, default=1500.0,
                         help="skip a mode's larger levels once p99 TTFB passes this")
+    parser.add_argument("--voices", type=int, default=0,
+                        help="register this many cloned voices over HTTP (synthetic 5 s clips) "
+                             "and spread every level's requests over them; level 1 also runs "
+                             "in the default voice, for single-stream TTFB side by side")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--reuse", action="store_true", help="measure the service already up")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up")
@@ -186,7 +191,7 @@ class CpuMeter:
 
 
 INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
-SYNTHESIZER_LINE = re.compile(r"stream id=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
+SYNTHESIZER_LINE = re.compile(r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
 
 
 def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -236,19 +241,44 @@ def locust_summary(stats_csv: Path) -> dict[str, Any]:
     return summary
 
 
+def register_voices(base_url: str, count: int) -> dict[str, Any]:
+    """``count`` cloned voices created through POST /v1/audio/voices from deterministic
+    synthetic 5 s clips; their ids and how long each creation took (the clip's embedding)."""
+    import soundfile
+
+    from serve_app.engines.minicpmo.synthetic import synthetic_voice_clip
+
+    ids, took_ms = [], []
+    headers = ({"authorization": f"Bearer {os.environ['LOADTEST_API_KEY']}"}
+               if os.environ.get("LOADTEST_API_KEY") else {})
+    for index in range(count):
+        clip = io.BytesIO()
+        soundfile.write(clip, synthetic_voice_clip(index, seconds=5.0), 16_000, format="WAV")
+        started = time.perf_counter()
+        response = httpx.post(f"{base_url}/v1/audio/voices", headers=headers, timeout=120,
+                              data={"name": f"bench {index}", "consent": "true"},
+                              files={"audio_sample": ("clip.wav", clip.getvalue(), "audio/wav")})
+        response.raise_for_status()
+        took_ms.append(round((time.perf_counter() - started) * 1000, 1))
+        ids.append(response.json()["id"])
+    return {"voices": count, "clip_seconds": 5.0, "ids": ids, "create_ms": took_ms,
+            "create_ms_p50": percentile(took_ms, 50)}
+
+
 def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse.Namespace,
-              work: Path) -> dict[str, Any]:
+              work: Path, voices: list[str] | None = None) -> dict[str, Any]:
     times = arrivals_s(level, arrival, args.audio_seconds)
     users = len(times)
     # All users exist before the first arrival; a burst then starts together.
     t0 = time.time() + 3.0 + users / 200
     body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
             "sample_rate": 24000}
-    name = f"{mode}-{arrival}-{level}"
+    name = f"{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
     schedule = work / f"{name}.schedule.json"
     schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
                                     "name": f"/v1/speech/stream {mode}", "format": "pcm",
-                                    "sample_rate": 24000, "arrivals_s": times}))
+                                    "sample_rate": 24000, "arrivals_s": times,
+                                    "voices": voices or []}))
     records = work / f"{name}.jsonl"
     run_time_s = int(times[-1] + 3 * args.audio_seconds + 90)
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "ScheduledListener",
@@ -271,7 +301,8 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     span = (max(r["start"] + r["total_s"] for r in rows) - min(r["start"] for r in rows)
             if rows else wall)
     result = {
-        "mode": mode, "arrival": arrival, "concurrency": level, "requests": users,
+        "mode": mode, "arrival": arrival, "concurrency": level, "voices": len(voices or []),
+        "requests": users,
         "completed": len(ok), "failures": len(rows) - len(ok) + (users - len(rows)),
         "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
         "ttfb_ms_p99": percentile(ttfbs, 99),
@@ -301,11 +332,26 @@ def _read_from(path: Path, offset: int) -> str:
         return log.read().decode("utf-8", "replace")
 
 
-def headline(sweep: list[dict[str, Any]]) -> dict[str, Any]:
-    """What bench_engine.py reports: single-stream TTFB and the largest real-time level."""
-    single, best = {}, {}
+def single_stream_voices(sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """Single-stream TTFB p50 in the default voice and in the cloned ones, per mode."""
+    out = {}
     for mode in sorted({r["mode"] for r in sweep}):
         ones = [r for r in sweep if r["mode"] == mode and r["concurrency"] == 1]
+        default = [r["ttfb_ms_p50"] for r in ones if not r.get("voices")]
+        cloned = [r["ttfb_ms_p50"] for r in ones if r.get("voices")]
+        out[mode] = {"ttfb_ms_default_voice": default[0] if default else None,
+                     "ttfb_ms_cloned_voice": cloned[0] if cloned else None}
+    return out
+
+
+def headline(sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    """What bench_engine.py reports: single-stream TTFB (default voice) and the largest
+    real-time level."""
+    single, best = {}, {}
+    for mode in sorted({r["mode"] for r in sweep}):
+        ones = [r for r in sweep if r["mode"] == mode and r["concurrency"] == 1
+                and not r.get("voices")] or [r for r in sweep if r["mode"] == mode
+                                             and r["concurrency"] == 1]
         single[mode] = {"ttfb_ms_p50": ones[0]["ttfb_ms_p50"] if ones else None,
                         "ttfb_ms_p90": ones[0].get("ttfb_ms_p90") if ones else None}
         ok = [r["concurrency"] for r in sweep
@@ -432,10 +478,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     levels = {"read": args.read_levels, "chat": args.chat_levels}
     sweep: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    registration = None
     try:
+        registration = register_voices(base_url, args.voices) if args.voices else None
+        voices = registration["ids"] if registration else None
         for mode in args.modes:
             for level in levels[mode]:
-                rows = [run_level(base_url, mode, level, arrival, args, work)
+                if voices and level == 1:  # single stream in the default voice too
+                    sweep.extend(run_level(base_url, mode, level, arrival, args, work)
+                                 for arrival in args.arrivals)
+                rows = [run_level(base_url, mode, level, arrival, args, work, voices)
                         for arrival in args.arrivals]
                 sweep.extend(rows)
                 if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
@@ -454,6 +506,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "engine": engine_part(args.engine_results),
         "served": {**headline(sweep), "sweep": sweep},
     }
+    if registration is not None:
+        result["served"]["voice_registration"] = registration
+        result["served"]["single_stream_voices"] = single_stream_voices(sweep)
     compare(result)
     return result
 

@@ -252,8 +252,11 @@ class ScheduledListener(_Listener):
         if index >= len(arrivals):
             raise StopUser()
         gevent.sleep(max(0.0, plan["t0"] + arrivals[index] - time.time()))
+        body = plan["body"]
+        if plan.get("voices"):  # spread over registered voices, round-robin
+            body = {**body, "voice": plan["voices"][index % len(plan["voices"])]}
         try:
-            self._stream(plan["route"], plan["body"], plan["name"], plan["name"],
+            self._stream(plan["route"], body, plan["name"], plan["name"],
                          AudioCounter(plan["format"], plan["sample_rate"]))
         finally:
             ScheduledListener._finished += 1

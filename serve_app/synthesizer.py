@@ -404,7 +404,7 @@ def _log_first_chunk(request_id: str, replica_ttfb_s: float, chunk: AudioChunk) 
     """Where a stream's first audio came from: seconds from its arrival at this replica, and
     the engine's own (submission to first audio); scripts/bench_serve reads these lines."""
     engine_s = chunk.timings_s.get("ttfb_s", chunk.timings_s.get("first_chunk_s"))
-    logger.info("stream id=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s", request_id,
+    logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s", request_id,
                 replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}")
 
 
