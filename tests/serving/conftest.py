@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import json
+
 import httpx
 import pytest
 
@@ -112,3 +114,30 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
 def client(server: Server) -> httpx.Client:
     with httpx.Client(base_url=server.base_url, headers=server.auth, timeout=120) as client:
         yield client
+
+
+def speak_word_by_word(base_url: str, start: dict[str, Any], text: str,
+                       headers: dict[str, str] | None = None) -> tuple[list[dict], bytes]:
+    """One WebSocket session on ``/v1/audio/speech/stream``: ``session.start`` with ``start``,
+    ``text`` fed a word at a time, then done; returns the JSON events (the last one
+    ``response.done`` or ``error``) and the audio bytes."""
+    from websockets.sync.client import connect
+
+    url = base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    events, audio = [], bytearray()
+    with connect(url, additional_headers=headers or {}, max_size=None,
+                 open_timeout=60) as session:
+        session.send(json.dumps({"type": "session.start", **start}))
+        assert json.loads(session.recv(timeout=120))["type"] == "session.started"
+        for index, word in enumerate(text.split(" ")):
+            session.send(json.dumps({"type": "input_text.delta",
+                                     "delta": word if index == 0 else " " + word}))
+        session.send(json.dumps({"type": "input_text.done"}))
+        while True:
+            message = session.recv(timeout=300)
+            if isinstance(message, bytes):
+                audio.extend(message)
+                continue
+            events.append(json.loads(message))
+            if events[-1]["type"] in ("response.done", "error"):
+                return events, bytes(audio)

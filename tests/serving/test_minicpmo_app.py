@@ -14,7 +14,7 @@ import torch
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
 from serve_app.engines.minicpmo.loader import load_speech_model
-from tests.serving.conftest import wait_ready
+from tests.serving.conftest import speak_word_by_word, wait_ready
 
 APP = "minicpmo-tiny"
 PREFIX = "/minicpmo"
@@ -138,26 +138,9 @@ def test_sse_chunks_carry_their_text_and_instructions_shape_the_voice(minicpmo_a
 
 
 def test_websocket_text_fed_word_by_word_is_spoken_with_its_captions(minicpmo_app):
-    from websockets.sync.client import connect
-
-    url = minicpmo_app.replace("http://", "ws://") + "/v1/audio/speech/stream"
-    events, audio = [], bytearray()
-    with connect(url, max_size=None, open_timeout=60) as socket:
-        socket.send(json.dumps({"type": "session.start", "response_format": "pcm",
-                                "instructions": "Speak slowly, in a warm and cheerful voice."}))
-        assert json.loads(socket.recv(timeout=120))["type"] == "session.started"
-        for index, word in enumerate(TEXT.split(" ")):
-            socket.send(json.dumps({"type": "input_text.delta",
-                                    "delta": word if index == 0 else " " + word}))
-        socket.send(json.dumps({"type": "input_text.done"}))
-        while True:
-            message = socket.recv(timeout=300)
-            if isinstance(message, bytes):
-                audio.extend(message)
-                continue
-            events.append(json.loads(message))
-            if events[-1]["type"] in ("response.done", "error"):
-                break
+    events, audio = speak_word_by_word(
+        minicpmo_app, {"response_format": "pcm",
+                       "instructions": "Speak slowly, in a warm and cheerful voice."}, TEXT)
     assert events[-1]["type"] == "response.done", events[-1]
     chunks = [e for e in events if e["type"] == "audio.chunk"]
     spoken = "".join(c["text"] for c in chunks)

@@ -33,7 +33,7 @@ import soundfile as sf
 
 from serve_app.engines.base import SpeechRequest
 from serve_app.voices import owner_of_key
-from tests.serving.conftest import Server, wait_ready
+from tests.serving.conftest import Server, speak_word_by_word, wait_ready
 from tests.serving.test_minicpmo_app import engine_options
 from tests.serving.test_web_page import CHROMIUM_ARGS, chromium_path
 
@@ -283,27 +283,9 @@ def test_an_evicted_voice_is_loaded_again(apps: VoicesApps, voice: Voice) -> Non
 
 
 def test_a_websocket_session_speaks_in_the_voice(apps: VoicesApps, voice: Voice) -> None:
-    from websockets.sync.client import connect
-
-    url = apps.base["b"].replace("http://", "ws://") + "/v1/audio/speech/stream"
-    events, audio = [], bytearray()
-    with connect(url, additional_headers={"authorization": f"Bearer {ALICE}"},
-                 max_size=None, open_timeout=60) as socket:
-        socket.send(json.dumps({"type": "session.start", "voice": voice.id,
-                                "response_format": "pcm"}))
-        assert json.loads(socket.recv(timeout=120))["type"] == "session.started"
-        for index, word in enumerate(TEXT.split(" ")):
-            socket.send(json.dumps({"type": "input_text.delta",
-                                    "delta": word if index == 0 else " " + word}))
-        socket.send(json.dumps({"type": "input_text.done"}))
-        while True:
-            message = socket.recv(timeout=300)
-            if isinstance(message, bytes):
-                audio.extend(message)
-                continue
-            events.append(json.loads(message))
-            if events[-1]["type"] in ("response.done", "error"):
-                break
+    events, audio = speak_word_by_word(apps.base["b"], {"voice": voice.id,
+                                                        "response_format": "pcm"}, TEXT,
+                                       headers={"authorization": f"Bearer {ALICE}"})
     assert events[-1]["type"] == "response.done", events[-1]
     assert len(audio) > 4096
 
