@@ -10,8 +10,8 @@ busy replica relays fewer, larger items instead of falling further behind (nothi
 joined: a lone chunk leaves at once).
 
 If the engine process dies, every open stream ends with :class:`EngineDeadError`, new requests
-are refused with it, and :attr:`EngineClient.alive` turns False (the synthesizer's health check
-then fails and Serve replaces the replica).
+are refused with it, :attr:`EngineClient.alive` turns False, and ``on_death`` is called (the
+synthesizer then ends its own process, so Serve routes elsewhere and replaces it at once).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
@@ -89,8 +89,10 @@ class EngineClient:
     """Talks to one engine process; shaped like the engine where the synthesizer needs it
     (``sample_rate_hz``, ``modes``, ``model_id``, ``follows_instructions``, ...)."""
 
-    def __init__(self, process: subprocess.Popen, conn: Connection, facts: dict[str, Any]) -> None:
+    def __init__(self, process: subprocess.Popen, conn: Connection, facts: dict[str, Any],
+                 on_death: Callable[[], None] | None = None) -> None:
         self._process = process
+        self._on_death = on_death
         self._conn = conn
         self._facts = facts
         self.engine_name: str = facts["engine"]
@@ -114,8 +116,10 @@ class EngineClient:
         self._reader.start()
 
     @classmethod
-    def start(cls, engine: str, options: dict[str, Any]) -> "EngineClient":
-        """Launch the engine process and wait until its engine is loaded and warm."""
+    def start(cls, engine: str, options: dict[str, Any],
+              on_death: Callable[[], None] | None = None) -> "EngineClient":
+        """Launch the engine process and wait until its engine is loaded and warm;
+        ``on_death`` is called once if it later exits unasked (after its streams have failed)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         # The child imports serve_app from wherever this process found it.
@@ -136,7 +140,7 @@ class EngineClient:
             process.wait()
             raise RuntimeError(f"engine {engine!r} failed to start: {message[1]}")
         logger.info("engine %s runs in process %d", engine, process.pid)
-        return cls(process, conn, message[1])
+        return cls(process, conn, message[1], on_death)
 
     # -- what the synthesizer calls ------------------------------------------------------------
 
@@ -283,6 +287,8 @@ class EngineClient:
             except RuntimeError:  # the loop closed meanwhile
                 pass
         self._dead = dead
+        if not self._closing and self._on_death is not None:
+            self._on_death()
 
     def _dispatch(self, message: tuple) -> None:
         if message[0] == "out":
@@ -307,3 +313,5 @@ class EngineClient:
             if not future.done():
                 future.set_exception(dead)
         self._replies.clear()
+        if not self._closing and self._on_death is not None:
+            self._on_death()

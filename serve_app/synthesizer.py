@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from typing import Any, AsyncIterator
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 # How often the engine gauges are refreshed while the engine is busy.
 METRICS_REFRESH_S = 0.5
+# After its engine process died: time for the failed streams' errors to reach their callers
+# before this replica exits (Serve then stops routing here and starts a new one).
+EXIT_AFTER_ENGINE_DEATH_S = 1.0
+ENGINE_DIED_EXIT_CODE = 70
 
 Admitted = AsyncIterator[AudioChunk] | ApiError
 StreamItem = AudioChunk | ApiError | StreamUsage | TextInputOpen
@@ -80,8 +85,9 @@ def _voice_evicted(admitted: Admitted) -> bool:
 class Synthesizer:
     """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
-    If the engine process dies, open streams end with a 503 error and the health check fails,
-    so Serve replaces the replica.
+    If the engine process dies, open streams end with a 503 error and the replica exits a
+    moment later, so Serve routes new requests to the others and replaces it at once (as when a
+    GPU worker crashes); until then the health check fails too.
 
     Timeouts: a stream waits at most ``first_chunk_timeout_s`` for its first chunk (admission
     included) and ``chunk_timeout_s`` for each later one, else it is aborted and ends with a 504
@@ -99,7 +105,7 @@ class Synthesizer:
         self._drain_timeout_s = drain_timeout_s
         self._in_flight = 0
         # Loaded and warmed up in its own process before this returns.
-        self._engine = EngineClient.start(engine, engine_options)
+        self._engine = EngineClient.start(engine, engine_options, on_death=_exit_soon)
         self._voice_store = VoiceStore(voice_store)
         # Stored voices this replica added to its engine (the engine may have evicted some
         # since: a voice_not_found refusal says so), one lock per voice being loaded, and how
@@ -398,6 +404,21 @@ class Synthesizer:
         if self._in_flight:
             logger.warning("shutting down with %d streams still active", self._in_flight)
         await asyncio.to_thread(engine.close)
+
+
+def _exit_soon() -> None:
+    """The engine process is gone: end this replica once the streams' errors are out."""
+    logger.critical("the engine process exited; this replica exits in %.0f s",
+                    EXIT_AFTER_ENGINE_DEATH_S)
+
+    def leave() -> None:
+        for handler in logging.getLogger("serve_app").handlers:
+            handler.flush()
+        os._exit(ENGINE_DIED_EXIT_CODE)
+
+    timer = threading.Timer(EXIT_AFTER_ENGINE_DEATH_S, leave)
+    timer.daemon = True
+    timer.start()
 
 
 def _log_first_chunk(request_id: str, replica_ttfb_s: float, chunk: AudioChunk) -> None:
