@@ -6,15 +6,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.engines.base import MAX_CLIP_S, MIN_CLIP_S
 from serve_app.text_rule import MAX_TEXT_CHARS
 
 # Where voices live unless api.voice_store says otherwise: a local folder, fine for one machine.
 # On a multi-node cluster point api.voice_store at a shared filesystem (NFS, EFS) mounted at the
 # same path on every node, so every Ingress and Synthesizer replica sees every voice.
 DEFAULT_VOICE_STORE = "~/.local/share/serve_app/voices"
-# The longest reference clip a voice may be cloned from (MiniCPM-o's reference audio, OpenAI's
-# limit for a custom voice's sample).
-MAX_VOICE_CLIP_S = 30.0
 
 
 class BatchingConfig(BaseModel):
@@ -87,8 +85,8 @@ class ApiConfig(BaseModel):
     voice_store: str = DEFAULT_VOICE_STORE
     max_voices_per_key: int = Field(20, ge=1)
     max_voice_upload_bytes: int = Field(10 * 1024 * 1024, ge=1024)
-    max_voice_clip_s: float = Field(MAX_VOICE_CLIP_S, gt=0, le=MAX_VOICE_CLIP_S)
-    min_voice_clip_s: float = Field(1.0, gt=0)
+    max_voice_clip_s: float = Field(MAX_CLIP_S, gt=0, le=MAX_CLIP_S)
+    min_voice_clip_s: float = Field(MIN_CLIP_S, gt=0)
     max_voice_uploads: int = Field(4, ge=1)
     voice_embed_timeout_s: float = Field(120.0, gt=0)
 

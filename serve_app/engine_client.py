@@ -206,8 +206,7 @@ class EngineClient:
         call_id = next(self._call_ids)
         future = loop.create_future()
         self._replies[call_id] = future
-        message = (("submit", call_id, args[0]) if method == "submit"
-                   else ("call", call_id, method, args))
+        message = ("call", call_id, method, args)
         try:
             if method in BULKY_CALLS:  # megabytes of audio or embeddings: off the event loop
                 await asyncio.to_thread(self._send, message)

@@ -10,8 +10,8 @@ its step thread competes only with this module's two small threads and its event
 
 Messages (pickled tuples on a :class:`multiprocessing.connection.Connection`):
 
-- replica -> engine: ``(name, options)`` first; then ``("submit", call_id, requests)``,
-  ``("abort", request_id)``, ``("call", call_id, method, args)``, ``("close",)``.
+- replica -> engine: ``(name, options)`` first; then ``("call", call_id, method, args)``
+  (``submit``, ``feed_text``, ``stats``, ...), ``("abort", request_id)``, ``("close",)``.
 - engine -> replica: ``("ready", facts)`` or ``("failed", message)`` first; then
   ``("out", [(request_id, item), ...])`` (an item is an AudioChunk, or the exception that ends
   the stream), ``("reply", call_id, ok, value)``, ``("stats", EngineStats)``.
@@ -109,6 +109,7 @@ class EngineServer:
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._pumps: set[asyncio.Task] = set()
         self._calls: dict[str, Callable[..., Any]] = {
+            "submit": self._submit,
             "feed_text": engine.feed_text,
             "stats": engine.stats,
             "voices": engine.voices,
@@ -164,22 +165,7 @@ class EngineServer:
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "submit":
-            _, call_id, requests = message
-            try:
-                outcomes = submit_each(self._engine, requests)
-            except BaseException as exc:  # the whole batch fails; the engine goes on
-                self._sends.put(("reply", call_id, False, portable(exc)))
-                return
-            refusals: list[BaseException | None] = []
-            for request, outcome in zip(requests, outcomes):
-                if isinstance(outcome, BaseException):
-                    refusals.append(portable(outcome))
-                else:
-                    refusals.append(None)
-                    self._start_pump(request.request_id, outcome)
-            self._sends.put(("reply", call_id, True, refusals))
-        elif kind == "abort":
+        if kind == "abort":
             self._engine.abort(message[1])
         elif kind == "call":
             _, call_id, method, args = message
@@ -191,6 +177,18 @@ class EngineServer:
         elif kind == "close":
             assert self._closed is not None
             self._closed.set()
+
+    def _submit(self, requests: list[SpeechRequest]) -> list[BaseException | None]:
+        """Admit ``requests`` (streams start pumping at once); per request, None or the
+        exception that refused it."""
+        refusals: list[BaseException | None] = []
+        for request, outcome in zip(requests, submit_each(self._engine, requests)):
+            if isinstance(outcome, BaseException):
+                refusals.append(portable(outcome))
+            else:
+                refusals.append(None)
+                self._start_pump(request.request_id, outcome)
+        return refusals
 
     def _reply(self, call_id: int, method: str, args: tuple) -> None:
         try:

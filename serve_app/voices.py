@@ -38,7 +38,7 @@ import numpy as np
 import soundfile as sf
 
 from serve_app import errors
-from serve_app.engines.base import InvalidRequestError
+from serve_app.engines.base import MAX_CLIP_RATE_HZ, MIN_CLIP_RATE_HZ, InvalidRequestError
 
 Result = TypeVar("Result")
 
@@ -52,8 +52,6 @@ SHARED_OWNER = "shared"
 MAX_NAME_CHARS = 256
 # Containers libsndfile reads that a voice clip may come in (soundfile's format names).
 CLIP_CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "FLAC": "flac", "OGG": "ogg", "MP3": "mp3"}
-MIN_CLIP_RATE_HZ = 8000
-MAX_CLIP_RATE_HZ = 192_000
 # Below this RMS (-60 dBFS) a clip holds no voice to clone.
 SILENCE_RMS = 1e-3
 # Writers that died mid-write leave hidden folders; older ones are swept on the next create.

@@ -19,6 +19,13 @@ TextInput = Literal["whole", "streamed"]
 TEXT_INPUTS: tuple[str, ...] = ("whole", "streamed")
 
 
+# A voice's reference clip, checked by the ingress before any engine runs and again by the
+# engine that embeds it: one home for the limits both apply.
+MIN_CLIP_S = 1.0
+MAX_CLIP_S = 30.0  # Whisper's window (1500 encoder positions); OpenAI's limit for a voice sample
+MIN_CLIP_RATE_HZ, MAX_CLIP_RATE_HZ = 8_000, 192_000
+
+
 class EngineError(RuntimeError):
     """A failure inside the engine while serving a request (not the caller's fault)."""
 

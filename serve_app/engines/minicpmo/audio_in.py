@@ -22,13 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..base import InvalidRequestError
+from ..base import MAX_CLIP_RATE_HZ, MAX_CLIP_S, MIN_CLIP_RATE_HZ, MIN_CLIP_S, InvalidRequestError
 from .modeling import AudioInConfig, Projector, pooled_frames
 
 SAMPLE_RATE_HZ = 16_000  # the encoder's rate
-MIN_CLIP_S = 1.0
-MAX_CLIP_S = 30.0  # Whisper's window (1500 encoder positions)
-MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8_000, 192_000
 SILENT_PEAK = 1e-3  # a clip whose loudest sample is below -60 dBFS holds no voice
 
 
@@ -40,9 +37,9 @@ def prepare_clip(samples: np.ndarray, sample_rate_hz: int) -> np.ndarray:
         return InvalidRequestError(message, "audio_sample", code=code)
 
     if not isinstance(sample_rate_hz, (int, np.integer)) or isinstance(sample_rate_hz, bool) or not (
-            MIN_SAMPLE_RATE_HZ <= sample_rate_hz <= MAX_SAMPLE_RATE_HZ):
-        raise refuse(f"sample rate must be an integer from {MIN_SAMPLE_RATE_HZ} to "
-                     f"{MAX_SAMPLE_RATE_HZ} Hz", "unsupported_sample_rate")
+            MIN_CLIP_RATE_HZ <= sample_rate_hz <= MAX_CLIP_RATE_HZ):
+        raise refuse(f"sample rate must be an integer from {MIN_CLIP_RATE_HZ} to "
+                     f"{MAX_CLIP_RATE_HZ} Hz", "unsupported_sample_rate")
     samples = np.asarray(samples)
     if samples.dtype.kind not in "if":
         raise refuse("the audio sample must be an array of numbers", "invalid_audio")
