@@ -47,6 +47,7 @@ BENCH_ENGINE_OPTIONS = {"max_slots": 256, "max_chat_slots": 128, "max_queued": 4
                         "tts_max_positions": 1024, "llm_max_positions": 512,
                         "tts_sampling": "sample"}
 REALTIME_SHARE = 0.99
+SINGLE_STREAM_REQUESTS = 8
 TTFB_P99_LIMIT_MS = 500.0
 
 
@@ -133,7 +134,12 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def arrivals_s(level: int, arrival: str, audio_seconds: float) -> list[float]:
-    """bench_engine.py's arrivals: N at once, or Poisson holding about N streams (2N)."""
+    """bench_engine.py's arrivals: N at once, or Poisson holding about N streams (2N); or
+    ``single``: :data:`SINGLE_STREAM_REQUESTS` requests one after another, each starting when
+    the last one's audio has played out, so no two overlap (bench_engine.py's single-stream
+    TTFB is likewise one stream at a time)."""
+    if arrival == "single":
+        return [i * audio_seconds * 1.05 for i in range(SINGLE_STREAM_REQUESTS)]
     if arrival == "burst":
         return [0.0] * level
     rng = random.Random(level)
@@ -194,6 +200,22 @@ INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
 SYNTHESIZER_LINE = re.compile(r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
 
 
+BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)")
+
+
+def engine_busy(log_text: str) -> dict[str, Any] | None:
+    """The served engine's steps and its time per step (inside steps, idle left out) over the
+    level, from the synthesizer's busy-period log lines: bench_engine.py's
+    ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here."""
+    periods = [(int(m[1]), float(m[2])) for m in BUSY_LINE.finditer(log_text)]
+    steps = sum(s for s, _ in periods)
+    if not steps:
+        return None
+    busy_s = sum(b for _, b in periods)
+    return {"steps": steps, "busy_s": round(busy_s, 3),
+            "busy_ms_per_step": round(busy_s * 1000 / steps, 3)}
+
+
 def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Where the served TTFB goes, per request of the level, from the client's record and the
     service's log lines (the ingress's and the synthesizer's, matched by request id): p50 and
@@ -249,8 +271,7 @@ def register_voices(base_url: str, count: int) -> dict[str, Any]:
     from serve_app.engines.minicpmo.synthetic import synthetic_voice_clip
 
     ids, took_ms = [], []
-    headers = ({"authorization": f"Bearer {os.environ['LOADTEST_API_KEY']}"}
-               if os.environ.get("LOADTEST_API_KEY") else {})
+    headers = _auth_headers()
     for index in range(count):
         clip = io.BytesIO()
         soundfile.write(clip, synthetic_voice_clip(index, seconds=5.0), 16_000, format="WAV")
@@ -309,6 +330,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
                             timeout=run_time_s + 120)
     wall = time.monotonic() - started
     cpu = meter.percent()
+    level_log = _read_from(args.log, log_offset)
     rows = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() \
         else []
     ok = [r for r in rows if r["ok"]]
@@ -324,8 +346,9 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "realtime_share": round(sum(bool(r.get("realtime")) for r in rows) / users, 4),
         "audio_seconds_per_second": round(sum(r["audio_s"] for r in ok) / span, 2),
         "requests_per_s": round(users / span, 3),
-        "cpu_percent_of_a_core": cpu, "locust": locust_summary(work / f"{name}_stats.csv"),
-        "ttfb_breakdown": ttfb_breakdown(_read_from(args.log, log_offset), rows),
+        "cpu_percent_of_a_core": cpu,
+        "engine_busy": engine_busy(level_log), "locust": locust_summary(work / f"{name}_stats.csv"),
+        "ttfb_breakdown": ttfb_breakdown(level_log, rows),
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
         "locust_exit_code": locust.returncode,
     }
@@ -335,6 +358,24 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         result["locust_stderr"] = locust.stderr[-2000:]
     print(json.dumps({k: v for k, v in result.items() if k != "locust"}), flush=True)
     return result
+
+
+def warm_up(base_url: str, mode: str) -> None:
+    """One unrecorded request per mode first, as bench_engine.py warms each mode: the first
+    call through each deployment handle sets up its router and connections. (Cloned voices are
+    primed by :func:`register_voices`.)"""
+    body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
+            "sample_rate": 24000}
+    with httpx.stream("POST", f"{base_url}/v1/speech/stream", json=body, timeout=300,
+                      headers=_auth_headers()) as response:
+        response.raise_for_status()
+        for _ in response.iter_bytes():
+            pass
+
+
+def _auth_headers() -> dict[str, str]:
+    key = os.environ.get("LOADTEST_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -370,7 +411,7 @@ def headline(sweep: list[dict[str, Any]]) -> dict[str, Any]:
         single[mode] = {"ttfb_ms_p50": ones[0]["ttfb_ms_p50"] if ones else None,
                         "ttfb_ms_p90": ones[0].get("ttfb_ms_p90") if ones else None}
         ok = [r["concurrency"] for r in sweep
-              if r["mode"] == mode and r["arrival"] == "poisson" and r["ok"]]
+              if r["mode"] == mode and r["arrival"] in ("poisson", "single") and r["ok"]]
         best[mode] = max(ok) if ok else 0
     return {"single_stream": single, "max_realtime_streams": best}
 
@@ -498,15 +539,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         registration = register_voices(base_url, args.voices) if args.voices else None
         voices = registration["ids"] if registration else None
         for mode in args.modes:
+            warm_up(base_url, mode)
             for level in levels[mode]:
+                arrivals = ["single"] if level == 1 else args.arrivals
                 if voices and level == 1:  # single stream in the default voice too
-                    sweep.extend(run_level(base_url, mode, level, arrival, args, work)
-                                 for arrival in args.arrivals)
+                    sweep.append(run_level(base_url, mode, level, "single", args, work))
                 rows = [run_level(base_url, mode, level, arrival, args, work, voices)
-                        for arrival in args.arrivals]
+                        for arrival in arrivals]
                 sweep.extend(rows)
                 if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
-                       if r["arrival"] == "poisson"):
+                       if r["arrival"] in ("poisson", "single")):
                     break
     finally:
         if service is not None and not args.keep_running:

@@ -61,9 +61,12 @@ class AudioEncoder:
                 if encoder is None:
                     encoder = StreamEncoder(job.audio_format, item.sample_rate_hz,
                                             job.sample_rate_hz)
-                # Codecs take milliseconds per chunk; keep the event loop free for other streams.
+                # Codecs take milliseconds per chunk; they run in a worker thread so the event
+                # loop stays free for other streams. Raw samples are cast here, sparing the
+                # thread handoff on every chunk's path.
                 encode_started_s = time.perf_counter()
-                data = await asyncio.to_thread(encoder.encode, item.samples)
+                data = (encoder.encode(item.samples) if encoder.light
+                        else await asyncio.to_thread(encoder.encode, item.samples))
                 self._metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
                 if job.events:
                     yield EncodedChunk(data, item.text, audio_s, item.duration_s, item.timings_s)
@@ -71,7 +74,8 @@ class AudioEncoder:
                     yield data
                 audio_s += item.duration_s
             if encoder is not None:
-                tail = await asyncio.to_thread(encoder.finish)
+                tail = (encoder.finish() if encoder.light
+                        else await asyncio.to_thread(encoder.finish))
                 if tail:
                     yield EncodedChunk(tail, "", audio_s, 0.0) if job.events else tail
             if job.events and usage is not None:

@@ -41,6 +41,7 @@ ENGINE_SLOTS = "tts_engine_slots"
 ENGINE_BATCH_SIZE = "tts_engine_batch_size"
 ENGINE_BATCH_OCCUPANCY = "tts_engine_batch_occupancy"
 ENGINE_STEPS_TOTAL = "tts_engine_steps_total"
+ENGINE_STEP_SECONDS_TOTAL = "tts_engine_step_seconds_total"
 ENGINE_STREAMS_TOTAL = "tts_engine_streams_total"
 
 ALL_METRICS: tuple[str, ...] = (
@@ -146,6 +147,9 @@ class SynthesizerMetrics:
         self._occupancy = Gauge(ENGINE_BATCH_OCCUPANCY, description="Rows in the engine's "
                                 "latest step over its slots, 0..1 (0 when idle)")
         self._steps = Counter(ENGINE_STEPS_TOTAL, description="Engine batch steps run")
+        self._step_s = Counter(ENGINE_STEP_SECONDS_TOTAL, description="Wall-clock seconds the "
+                               "engine spent running steps (its busy time; over steps: the "
+                               "time per step)")
         self._streams = Counter(ENGINE_STREAMS_TOTAL, description="Engine streams ended, by "
                                 "outcome", tag_keys=("outcome",))
         self._last = EngineStats()
@@ -163,6 +167,8 @@ class SynthesizerMetrics:
         last = self._last
         if stats.steps > last.steps:
             self._steps.inc(stats.steps - last.steps)
+        if stats.step_seconds > last.step_seconds:
+            self._step_s.inc(stats.step_seconds - last.step_seconds)
         for outcome in ("completed", "aborted", "failed"):
             grown = getattr(stats, outcome) - getattr(last, outcome)
             if grown > 0:

@@ -344,9 +344,19 @@ class Synthesizer:
             self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_loop())
 
     async def _metrics_loop(self) -> None:
-        """Refresh the engine gauges while the engine is busy, and once more when it idles."""
+        """Refresh the engine gauges while the engine is busy, and once more when it idles;
+        then log the busy period's steps and time per step (scripts/bench_serve reads it)."""
+        before = self._engine.stats()
         while self._refresh_metrics():
             await asyncio.sleep(METRICS_REFRESH_S)
+        after = self._engine.stats()
+        steps = after.steps - before.steps
+        if steps > 0:
+            busy_s = after.step_seconds - before.step_seconds
+            logger.info("engine busy period: steps=%d busy_s=%.3f ms_per_step=%.2f "
+                        "streams_ended=%d", steps, busy_s, busy_s * 1000 / steps,
+                        (after.completed + after.aborted + after.failed)
+                        - (before.completed + before.aborted + before.failed))
 
     def _refresh_metrics(self) -> bool:
         """Record the engine's state; True while requests wait or streams run."""

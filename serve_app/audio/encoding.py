@@ -122,6 +122,12 @@ class StreamEncoder:
             self._file = sf.SoundFile(self._buffer, mode="w", samplerate=output_rate_hz,
                                       channels=1, format=container, subtype=subtype, **extra)
 
+    @property
+    def light(self) -> bool:
+        """Raw samples out (pcm, wav): a chunk costs a cast and at most a resample, well under
+        a millisecond, so it needs no worker thread; codecs (mp3, opus, flac, aac) do."""
+        return self._file is None
+
     def encode(self, samples: np.ndarray) -> bytes:
         """Resample and encode one chunk; returns the bytes ready to send (maybe empty)."""
         if self._finished:

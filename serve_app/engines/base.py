@@ -157,8 +157,9 @@ class EngineStats:
     failed: int = 0
     last_batch_size: int = 0
     max_batch_size_seen: int = 0
+    step_seconds: float = 0.0  # wall time spent running steps: the engine's busy time
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 

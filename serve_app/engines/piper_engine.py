@@ -247,6 +247,7 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             results = await loop.run_in_executor(self._executor, self._step, streams)
             step_s = time.perf_counter() - started_s
             self._stats.steps += 1
+            self._stats.step_seconds += step_s
             self._stats.last_batch_size = len(streams)
             self._stats.max_batch_size_seen = max(self._stats.max_batch_size_seen, len(streams))
             for stream, result in zip(streams, results):

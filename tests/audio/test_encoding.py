@@ -142,3 +142,10 @@ def test_non_finite_and_out_of_range_samples_never_abort_the_encoder(audio_forma
 def test_encoder_input_is_silenced_where_not_finite_and_clipped_to_full_scale() -> None:
     pcm = playable(np.array([np.nan, np.inf, -np.inf, 3.0, -2.0, 0.25], dtype=np.float32))
     assert pcm.tolist() == [0.0, 1.0, -1.0, 1.0, -1.0, 0.25]
+
+
+def test_only_raw_sample_formats_skip_the_codec_thread() -> None:
+    """The AudioEncoder casts pcm and wav on its event loop; a libsndfile codec must go to a
+    worker thread (it takes milliseconds per chunk), so it must never count as light."""
+    light = {fmt for fmt in FORMATS if StreamEncoder(fmt, 24000, 24000).light}
+    assert light == {"pcm", "wav"}

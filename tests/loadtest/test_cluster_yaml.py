@@ -64,3 +64,17 @@ def test_setup_installs_the_project(cluster: dict) -> None:
     assert cluster["file_mounts"]["~/minicpmo-serve"] == "."
     assert any("pip install" in command and "-e '.[minicpmo" in command
                for command in cluster["setup_commands"])
+
+
+def test_every_shipped_config_gives_its_replicas_the_same_serve_transport() -> None:
+    """The Serve settings in serve_config.yaml's runtime_env (gRPC between replicas, our code on
+    the replica's own loop) are what the tests run under; every shipped profile carries them."""
+    def replica_env(name: str) -> dict:
+        config = yaml.safe_load((ROOT / name).read_text())
+        return config["applications"][0]["runtime_env"]["env_vars"]
+
+    production = replica_env("serve_config.yaml")
+    assert production["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
+    assert production["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    for name in sorted(p.name for p in ROOT.glob("serve_config*.yaml")):
+        assert replica_env(name) == production, name

@@ -13,7 +13,9 @@ import json
 
 import httpx
 import pytest
+import yaml
 
+ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
 APP_NAME = "tts"
 # For Ray processes started by this session only (the controller and the proxy read them).
@@ -28,6 +30,16 @@ RAY_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
 }
+
+
+def production_replica_env() -> dict[str, str]:
+    """The Serve settings the shipped config gives every replica (its app's runtime_env), so
+    the tests' apps move requests and chunks the way production does."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text(encoding="utf-8"))
+    return dict(config["applications"][0]["runtime_env"]["env_vars"])
+
+
+RAY_ENV.update(production_replica_env())
 
 
 @dataclass

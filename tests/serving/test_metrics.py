@@ -142,6 +142,7 @@ def test_metrics_show_ttfb_active_streams_and_batch_occupancy(server: Server) ->
     assert total(after, "ray_tts_stage_seconds_count", stage="step") > 0
     assert total(after, "ray_tts_stage_seconds_count", stage="encode") > 0
     assert total(after, "ray_tts_engine_steps_total") > 0
+    assert total(after, "ray_tts_engine_step_seconds_total") > 0
     assert total(after, "ray_tts_engine_streams_total", outcome="completed") >= STREAMS
     # Ray Serve's own metrics share the port, @serve.batch admissions among them.
     assert total(after, "ray_serve_num_http_requests_total", route="/v1/speech/stream") > 0, \

@@ -190,6 +190,10 @@ class Scheduler:
             self._stats.completed += completed
             self._stats.failed += failed
 
+    def count_step_time(self, seconds: float) -> None:
+        with self.lock:
+            self._stats.step_seconds += seconds
+
     def count_step(self, batch_size: int) -> None:
         with self.lock:
             self._stats.steps += 1

@@ -81,6 +81,7 @@ class StepLoop:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            started_s = time.perf_counter()
             try:
                 with torch.inference_mode():
                     self._step()
@@ -88,6 +89,7 @@ class StepLoop:
                 logger.exception("engine step failed")
                 for stream in self.scheduler.running():
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
+            self.scheduler.count_step_time(time.perf_counter() - started_s)
 
     def _phase(self, name: str, started: float) -> float:
         """Account the time since ``started`` to phase ``name`` (synchronising when profiling)."""
