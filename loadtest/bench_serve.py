@@ -410,8 +410,12 @@ def headline(sweep: list[dict[str, Any]]) -> dict[str, Any]:
                                              and r["concurrency"] == 1]
         single[mode] = {"ttfb_ms_p50": ones[0]["ttfb_ms_p50"] if ones else None,
                         "ttfb_ms_p90": ones[0].get("ttfb_ms_p90") if ones else None}
-        ok = [r["concurrency"] for r in sweep
-              if r["mode"] == mode and r["arrival"] in ("poisson", "single") and r["ok"]]
+        # A level counts only if every run of it passed (repeats too), as in bench_engine.py.
+        runs: dict[int, list[bool]] = {}
+        for r in sweep:
+            if r["mode"] == mode and r["arrival"] in ("poisson", "single"):
+                runs.setdefault(r["concurrency"], []).append(bool(r["ok"]))
+        ok = [level for level, passed in runs.items() if all(passed)]
         best[mode] = max(ok) if ok else 0
     return {"single_stream": single, "max_realtime_streams": best}
 
