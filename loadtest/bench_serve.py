@@ -542,17 +542,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         registration = register_voices(base_url, args.voices) if args.voices else None
         voices = registration["ids"] if registration else None
+        # Single streams of every mode first, on the replicas the service starts with: after a
+        # loaded level the AudioEncoder may have scaled out, and a single stream would then
+        # land on a replica scaled for the load, not the service's idle shape.
         for mode in args.modes:
             warm_up(base_url, mode)
-            for level in levels[mode]:
-                arrivals = ["single"] if level == 1 else args.arrivals
-                if voices and level == 1:  # single stream in the default voice too
-                    sweep.append(run_level(base_url, mode, level, "single", args, work))
+            if 1 in levels[mode]:
+                if voices:  # single stream in the default voice too
+                    sweep.append(run_level(base_url, mode, 1, "single", args, work))
+                sweep.append(run_level(base_url, mode, 1, "single", args, work, voices))
+        for mode in args.modes:
+            for level in [level for level in levels[mode] if level > 1]:
                 rows = [run_level(base_url, mode, level, arrival, args, work, voices)
-                        for arrival in arrivals]
+                        for arrival in args.arrivals]
                 sweep.extend(rows)
                 if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
-                       if r["arrival"] in ("poisson", "single")):
+                       if r["arrival"] == "poisson"):
                     break
     finally:
         if service is not None and not args.keep_running:
