@@ -310,6 +310,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
             "sample_rate": 24000}
     name = f"{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
+    name += f"-{len(list(work.glob(name + '*.schedule.json')))}"  # a repeated level: its own files
     schedule = work / f"{name}.schedule.json"
     schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
                                     "name": f"/v1/speech/stream {mode}", "format": "pcm",

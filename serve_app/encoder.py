@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.audio import StreamEncoder
 from serve_app.errors import ApiError
-from serve_app.hops import HOP_MARGIN_S, open_paths, relay_error, within
+from serve_app.hops import HOP_MARGIN_S, relay_error, within
 from serve_app.logs import use_replica_log
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.metrics import EncoderMetrics
@@ -27,18 +27,13 @@ logger = logging.getLogger(__name__)
 @serve.deployment(name="AudioEncoder", max_ongoing_requests=256, max_queued_requests=256,
                   graceful_shutdown_timeout_s=90, ray_actor_options={"num_cpus": 0.25})
 class AudioEncoder:
-    async def __init__(self, synthesizer: DeploymentHandle, first_chunk_timeout_s: float = 60.0,
-                       chunk_timeout_s: float = 30.0) -> None:
+    def __init__(self, synthesizer: DeploymentHandle, first_chunk_timeout_s: float = 60.0,
+                 chunk_timeout_s: float = 30.0) -> None:
         use_replica_log()
         self._synthesizer = synthesizer
         self._metrics = EncoderMetrics()
         self._first_chunk_timeout_s = first_chunk_timeout_s + HOP_MARGIN_S
         self._chunk_timeout_s = chunk_timeout_s + HOP_MARGIN_S
-        self._opening = open_paths({"the synthesizer": synthesizer.ready.remote})
-
-    def ping(self) -> bool:
-        """A no-op reply: callers open their path to this deployment with it."""
-        return True
 
     async def stream(self, job: EncodeJob
                      ) -> AsyncIterator[bytes | EncodedChunk | StreamUsage | TextInputOpen | ApiError]:

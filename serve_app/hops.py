@@ -8,23 +8,17 @@ first and names the real cause.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, TypeVar
 
 from ray.serve.exceptions import BackPressureError
 
 from serve_app import errors
 from serve_app.errors import ApiError
 
-logger = logging.getLogger(__name__)
-
 Item = TypeVar("Item")
 
 HOP_MARGIN_S = 5.0
-# How long a new replica keeps trying to reach a deployment below it (the synthesizer may still
-# be loading its model).
-OPEN_PATH_TIMEOUT_S = 900.0
 
 
 class StreamTimeout(TimeoutError):
@@ -76,20 +70,3 @@ def relay_error(request_id: str, below: str, exc: BaseException) -> ApiError:
         return exc
     # A dead replica below (RayActorError) lands here too; Serve restarts it.
     return errors.synthesis_unavailable(request_id, exc)
-
-
-def open_paths(calls: dict[str, Callable[[], Awaitable[Any]]]) -> set[asyncio.Task]:
-    """Start one cheap call per deployment below (``name -> call``) in the background, when a
-    replica starts: each handle then has its router and its connection to a replica below
-    before the first stream needs them. A cold handle otherwise adds 10-20 ms to the first
-    audio of the first stream through each new replica (after every scale-out). Best effort:
-    a call that fails or times out is logged, never raised. Keep the returned tasks."""
-    async def open_one(name: str, call: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            await asyncio.wait_for(call(), OPEN_PATH_TIMEOUT_S)
-        except Exception as exc:
-            logger.info("could not reach %s ahead of traffic (%s); its first stream will "
-                        "open the path", name, type(exc).__name__)
-
-    loop = asyncio.get_running_loop()
-    return {loop.create_task(open_one(name, call)) for name, call in calls.items()}

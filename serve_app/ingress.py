@@ -27,7 +27,6 @@ from serve_app.audio import CONTENT_TYPES, check_format_rate
 from serve_app.config import ApiConfig
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.errors import ApiError
-from serve_app.hops import open_paths
 from serve_app.guard import (
     REQUEST_ID_HEADER,
     KeyRing,
@@ -176,8 +175,8 @@ def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz:
                   graceful_shutdown_timeout_s=90, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api_app)
 class Ingress:
-    async def __init__(self, encoder: DeploymentHandle, synthesizer: DeploymentHandle,
-                       api: dict[str, Any]) -> None:
+    def __init__(self, encoder: DeploymentHandle, synthesizer: DeploymentHandle,
+                 api: dict[str, Any]) -> None:
         self._encoder = encoder
         self._synthesizer = synthesizer
         api_app.state.encoder, api_app.state.synthesizer = encoder, synthesizer  # the socket's
@@ -196,8 +195,6 @@ class Ingress:
         self._metrics = IngressMetrics()
         api_app.state.metrics = self._metrics
         self._info: EngineInfo | None = None
-        self._opening = open_paths({"the encoder": encoder.ping.remote,
-                                    "the synthesizer": synthesizer.ready.remote})
 
     async def _engine_info(self) -> EngineInfo:
         if self._info is None:
