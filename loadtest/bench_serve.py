@@ -271,12 +271,11 @@ def register_voices(base_url: str, count: int) -> dict[str, Any]:
     from serve_app.engines.minicpmo.synthetic import synthetic_voice_clip
 
     ids, took_ms = [], []
-    headers = _auth_headers()
     for index in range(count):
         clip = io.BytesIO()
         soundfile.write(clip, synthetic_voice_clip(index, seconds=5.0), 16_000, format="WAV")
         started = time.perf_counter()
-        response = httpx.post(f"{base_url}/v1/audio/voices", headers=headers, timeout=120,
+        response = httpx.post(f"{base_url}/v1/audio/voices", headers=_auth_headers(), timeout=120,
                               data={"name": f"bench {index}", "consent": "true"},
                               files={"audio_sample": ("clip.wav", clip.getvalue(), "audio/wav")})
         response.raise_for_status()
@@ -284,18 +283,8 @@ def register_voices(base_url: str, count: int) -> dict[str, Any]:
         ids.append(response.json()["id"])
     # One short request per voice loads it into the Synthesizer's engine, as any first request
     # would; the levels then measure voices in use, and the first use is timed here.
-    first_use_ms = []
-    for voice in ids:
-        started = time.perf_counter()
-        with httpx.stream("POST", f"{base_url}/v1/speech/stream", headers=headers, timeout=120,
-                          json={"text": "A voice's first words.", "voice": voice,
-                                "format": "pcm"}) as response:
-            response.raise_for_status()
-            ttfb = None
-            for piece in response.iter_bytes():
-                if piece and ttfb is None:
-                    ttfb = (time.perf_counter() - started) * 1000
-        first_use_ms.append(round(ttfb or 0.0, 1))
+    first_use_ms = [speak_once(base_url, {"text": "A voice's first words.", "voice": voice,
+                                          "format": "pcm"}) for voice in ids]
     return {"voices": count, "clip_seconds": 5.0, "ids": ids, "create_ms": took_ms,
             "create_ms_p50": percentile(took_ms, 50),
             "first_request_ttfb_ms": first_use_ms}
@@ -309,8 +298,9 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     t0 = time.time() + 3.0 + users / 200
     body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
             "sample_rate": 24000}
-    name = f"{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
-    name += f"-{len(list(work.glob(name + '*.schedule.json')))}"  # a repeated level: its own files
+    # Numbered in run order, so a repeated level gets files of its own.
+    run = len(list(work.glob("*.schedule.json")))
+    name = f"{run:02d}-{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
     schedule = work / f"{name}.schedule.json"
     schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
                                     "name": f"/v1/speech/stream {mode}", "format": "pcm",
@@ -361,17 +351,25 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     return result
 
 
+def speak_once(base_url: str, body: dict[str, Any]) -> float:
+    """One whole stream on /v1/speech/stream; its time to first audio in ms."""
+    started = time.perf_counter()
+    ttfb_ms = 0.0
+    with httpx.stream("POST", f"{base_url}/v1/speech/stream", json=body, timeout=300,
+                      headers=_auth_headers()) as response:
+        response.raise_for_status()
+        for piece in response.iter_bytes():
+            if piece and not ttfb_ms:
+                ttfb_ms = round((time.perf_counter() - started) * 1000, 1)
+    return ttfb_ms
+
+
 def warm_up(base_url: str, mode: str) -> None:
     """One unrecorded request per mode first, as bench_engine.py warms each mode: the first
     call through each deployment handle sets up its router and connections. (Cloned voices are
     primed by :func:`register_voices`.)"""
-    body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
-            "sample_rate": 24000}
-    with httpx.stream("POST", f"{base_url}/v1/speech/stream", json=body, timeout=300,
-                      headers=_auth_headers()) as response:
-        response.raise_for_status()
-        for _ in response.iter_bytes():
-            pass
+    speak_once(base_url, {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode,
+                          "format": "pcm", "sample_rate": 24000})
 
 
 def _auth_headers() -> dict[str, str]:
