@@ -200,20 +200,22 @@ INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
 SYNTHESIZER_LINE = re.compile(r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
 
 
-BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)")
+BUSY_LINE = re.compile(
+    r"engine busy period: steps=(\d+) busy_s=([\d.]+)(?:.*? llm_steps=(\d+))?")
 
 
 def engine_busy(log_text: str) -> dict[str, Any] | None:
     """The served engine's steps and its time per step (inside steps, idle left out) over the
     level, from the synthesizer's busy-period log lines: bench_engine.py's
     ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here."""
-    periods = [(int(m[1]), float(m[2])) for m in BUSY_LINE.finditer(log_text)]
-    steps = sum(s for s, _ in periods)
+    periods = [(int(m[1]), float(m[2]), int(m[3] or 0)) for m in BUSY_LINE.finditer(log_text)]
+    steps = sum(p[0] for p in periods)
     if not steps:
         return None
-    busy_s = sum(b for _, b in periods)
+    busy_s = sum(p[1] for p in periods)
     return {"steps": steps, "busy_s": round(busy_s, 3),
-            "busy_ms_per_step": round(busy_s * 1000 / steps, 3)}
+            "busy_ms_per_step": round(busy_s * 1000 / steps, 3),
+            "llm_steps_per_step": round(sum(p[2] for p in periods) / steps, 3)}
 
 
 def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -172,6 +172,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     steps_before = engine.stats().steps
     busy_before_s = engine.stats().step_seconds
+    llm_steps_before = engine.stats().llm_steps
     phases_before = engine.phase_seconds()
     started = time.perf_counter()
     results = await asyncio.gather(*(run_one(engine, make_request(i, mode, args), d)
@@ -179,6 +180,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     wall = time.perf_counter() - started
     steps = engine.stats().steps - steps_before
     busy_s = engine.stats().step_seconds - busy_before_s
+    llm_steps = engine.stats().llm_steps - llm_steps_before
     phases = {k: round((v - phases_before.get(k, 0.0)) * 1000 / max(engine.stats().steps - steps_before, 1), 3)
               for k, v in engine.phase_seconds().items()}
     ttfbs = [r["ttfb_ms"] for r in results if r["ttfb_ms"] is not None]
@@ -195,6 +197,8 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         # Time inside steps only (idle waits between arrivals left out): the figure
         # scripts/bench_serve reads from the served engine, to compare the two.
         "busy_ms_per_step": round(busy_s * 1000 / max(steps, 1), 3),
+        # Chat: batched LLM decode steps per engine step (each reads all LLM weights once).
+        "llm_steps_per_step": round(llm_steps / max(steps, 1), 3),
         "gpu_memory_gb": (torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
         "phase_ms_per_step": phases,
     }

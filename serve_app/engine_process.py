@@ -6,7 +6,8 @@ of it shares one GIL with the engine's step thread, and at a GPU's full load tha
 step thread (docs/benchmarks/served-h100.json: the synthesizer process at 90-100 % of a core).
 vLLM splits its API server from its EngineCore process for the same reason. Here the replica
 keeps the Ray and HTTP side (:mod:`serve_app.engine_client`), and this process keeps the engine:
-its step thread competes only with this module's two small threads and its event loop.
+its step thread competes only with this module's two small threads and its event loop, and no
+chunk passes through that loop: the engine hands each step's output to the sender thread.
 
 Messages (pickled tuples on a :class:`multiprocessing.connection.Connection`):
 
@@ -16,9 +17,10 @@ Messages (pickled tuples on a :class:`multiprocessing.connection.Connection`):
   ``("out", [(request_id, item), ...])`` (an item is an AudioChunk, or the exception that ends
   the stream), ``("reply", call_id, ok, value)``, ``("stats", EngineStats)``.
 
-Outputs are sent in batches: everything the event loop has gathered by the time it gets to
-send goes in one message, so a busy step costs one write, not one per stream. A closed socket
-means the replica is gone: this process exits at once (the GPU memory goes with it).
+Outputs are sent in batches: the engine delivers everything one step produced in one call
+(``Engine.submit_to``'s sink), which becomes one message, so a busy step costs one write, not one
+per stream. A closed socket means the replica is gone: this process exits at once (the GPU memory
+goes with it).
 
 Run as ``python -m serve_app.engine_process FD`` by :class:`~serve_app.engine_client.EngineClient`.
 """
@@ -34,7 +36,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from serve_app.engines.base import (
     AudioChunk,
@@ -42,6 +44,7 @@ from serve_app.engines.base import (
     EngineError,
     EngineOverloadedError,
     InvalidRequestError,
+    OutputSink,
     SpeechRequest,
 )
 from serve_app.engines.registry import create_engine
@@ -82,17 +85,20 @@ def portable(exc: BaseException) -> BaseException:
         return EngineError(f"{type(exc).__name__}: {exc}")
 
 
-def submit_each(engine: Engine, requests: list[SpeechRequest]
-                ) -> list[AsyncIterator[AudioChunk] | InvalidRequestError | EngineOverloadedError]:
+def submit_each(engine: Engine, requests: list[SpeechRequest], sink: OutputSink
+                ) -> list[InvalidRequestError | EngineOverloadedError | None]:
     """Submit ``requests`` together; if the engine refuses the batch, one by one, so one bad
-    request never sinks the others. A refused request's entry is its exception."""
+    request never sinks the others. Per request: None (admitted), or the exception that
+    refused it."""
     try:
-        return list(engine.submit(requests))
+        engine.submit_to(requests, sink)
+        return [None] * len(requests)
     except (InvalidRequestError, EngineOverloadedError):
-        outcomes: list[Any] = []
+        outcomes: list[InvalidRequestError | EngineOverloadedError | None] = []
         for request in requests:
             try:
-                outcomes.extend(engine.submit([request]))
+                engine.submit_to([request], sink)
+                outcomes.append(None)
             except (InvalidRequestError, EngineOverloadedError) as exc:
                 outcomes.append(exc)
         return outcomes
@@ -104,10 +110,7 @@ class EngineServer:
     def __init__(self, engine: Engine, conn: Connection) -> None:
         self._engine = engine
         self._conn = conn
-        self._outbox: list[tuple[str, object]] = []
-        self._flush_scheduled = False
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
-        self._pumps: set[asyncio.Task] = set()
         self._calls: dict[str, Callable[..., Any]] = {
             "submit": self._submit,
             "feed_text": engine.feed_text,
@@ -137,8 +140,6 @@ class EngineServer:
         stats_task = self._loop.create_task(self._push_stats())
         await self._closed.wait()
         stats_task.cancel()
-        for task in list(self._pumps):
-            task.cancel()
 
     def _read_forever(self) -> None:
         assert self._loop is not None
@@ -179,16 +180,15 @@ class EngineServer:
             self._closed.set()
 
     def _submit(self, requests: list[SpeechRequest]) -> list[BaseException | None]:
-        """Admit ``requests`` (streams start pumping at once); per request, None or the
-        exception that refused it."""
-        refusals: list[BaseException | None] = []
-        for request, outcome in zip(requests, submit_each(self._engine, requests)):
-            if isinstance(outcome, BaseException):
-                refusals.append(portable(outcome))
-            else:
-                refusals.append(None)
-                self._start_pump(request.request_id, outcome)
-        return refusals
+        """Admit ``requests`` (their output goes straight to the sender); per request, None or
+        the exception that refused it."""
+        return [None if refusal is None else portable(refusal)
+                for refusal in submit_each(self._engine, requests, self._send_out)]
+
+    def _send_out(self, items: list[tuple[str, object]]) -> None:
+        """The engine's output sink (called from its step thread): one message per delivery."""
+        self._sends.put(("out", [(request_id, item if isinstance(item, AudioChunk)
+                                  else portable(item)) for request_id, item in items]))
 
     def _reply(self, call_id: int, method: str, args: tuple) -> None:
         try:
@@ -198,34 +198,6 @@ class EngineServer:
 
     async def _call_in_thread(self, call_id: int, method: str, args: tuple) -> None:
         await asyncio.to_thread(self._reply, call_id, method, args)
-
-    def _start_pump(self, request_id: str, stream: AsyncIterator[AudioChunk]) -> None:
-        assert self._loop is not None
-        task = self._loop.create_task(self._pump(request_id, stream))
-        self._pumps.add(task)
-        task.add_done_callback(self._pumps.discard)
-
-    async def _pump(self, request_id: str, stream: AsyncIterator[AudioChunk]) -> None:
-        try:
-            async for chunk in stream:
-                self._queue_out(request_id, chunk)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # ends this stream only
-            self._queue_out(request_id, portable(exc))
-
-    def _queue_out(self, request_id: str, item: object) -> None:
-        self._outbox.append((request_id, item))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._outbox:
-            self._sends.put(("out", self._outbox))
-            self._outbox = []
 
     async def _push_stats(self) -> None:
         last = None

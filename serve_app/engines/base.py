@@ -8,9 +8,11 @@ HTTP once.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import weakref
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Protocol
+from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -158,6 +160,7 @@ class EngineStats:
     last_batch_size: int = 0
     max_batch_size_seen: int = 0
     step_seconds: float = 0.0  # wall time spent running steps: the engine's busy time
+    llm_steps: int = 0  # batched LLM decode steps (chat text) run inside engine steps
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -194,7 +197,14 @@ class Engine(Protocol):
         """Raise :class:`InvalidRequestError` if the request cannot be served; touches nothing."""
 
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
-        """Admit requests; each returned iterator yields that stream's chunks, the last final."""
+        """Admit requests; each returned iterator yields that stream's chunks, the last final.
+        Call it on the event loop that reads the iterators."""
+
+    def submit_to(self, requests: list[SpeechRequest], sink: OutputSink) -> None:
+        """Admit requests (all or none, refusing like :meth:`submit`); their items go to
+        ``sink``, called from an engine thread with everything that thread produced at once:
+        each stream's chunks in order, ending with a final chunk or the exception that ended it
+        (after :meth:`abort`, a :class:`RequestAbortedError`)."""
 
     def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
         """Append ``delta`` to a running streamed request; ``done`` ends its input (``delta`` may
@@ -211,6 +221,98 @@ class Engine(Protocol):
         """Run a throwaway request so the first real one pays no compile/allocation cost."""
 
     def close(self) -> None: ...
+
+
+# Where Engine.submit_to delivers: (request_id, item) pairs, in order, from an engine thread.
+OutputSink = Callable[[list[tuple[str, "AudioChunk | BaseException"]]], None]
+
+
+class Outbox:
+    """Items an engine step produced, delivered together at its end: one call per sink, so a
+    step that feeds 64 streams wakes each reader (an event loop, the engine process's sender)
+    once, not 64 times."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[OutputSink, str, object]] = []
+
+    def put(self, sink: OutputSink, request_id: str, item: object) -> None:
+        self._items.append((sink, request_id, item))
+
+    def deliver(self) -> None:
+        items, self._items = self._items, []
+        by_sink: dict[int, tuple[OutputSink, list[tuple[str, object]]]] = {}
+        for sink, request_id, item in items:
+            by_sink.setdefault(id(sink), (sink, []))[1].append((request_id, item))
+        for sink, batch in by_sink.values():
+            sink(batch)  # type: ignore[arg-type]
+
+
+class StreamQueues:
+    """An output sink that turns :meth:`Engine.submit_to` into :meth:`Engine.submit`: items
+    cross to one event loop (one wake-up per delivery, from any thread) into per-request queues,
+    read as async iterators. A reader that stops early aborts its stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    @classmethod
+    def for_running_loop(cls, cache: "weakref.WeakKeyDictionary") -> "StreamQueues":
+        """The engine's StreamQueues of the running loop (one per loop, kept in ``cache``)."""
+        loop = asyncio.get_running_loop()
+        queues = cache.get(loop)
+        if queues is None:
+            queues = cache[loop] = cls(loop)
+        return queues
+
+    def __call__(self, items: list[tuple[str, object]]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._put, items)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _put(self, items: list[tuple[str, object]]) -> None:
+        for request_id, item in items:
+            queue = self._queues.get(request_id)
+            if queue is not None:  # else its reader is gone
+                queue.put_nowait(item)
+
+    def submit(self, request_ids: Sequence[str], submit_to: Callable[["StreamQueues"], None],
+               abort: Callable[[str], None]) -> list[AsyncIterator[AudioChunk]]:
+        """Open a queue per request, call ``submit_to(self)``, and return the iterators (no
+        queue stays open if it raises)."""
+        if len(set(request_ids)) != len(request_ids) or any(r in self._queues for r in request_ids):
+            raise InvalidRequestError("request id already in use", "request_id",
+                                      code="duplicate_request_id")
+        for request_id in request_ids:
+            self._queues[request_id] = asyncio.Queue()
+        try:
+            submit_to(self)
+        except BaseException:
+            for request_id in request_ids:
+                self._queues.pop(request_id, None)
+            raise
+        return [self._iterate(request_id, abort) for request_id in request_ids]
+
+    async def _iterate(self, request_id: str, abort: Callable[[str], None]
+                       ) -> AsyncIterator[AudioChunk]:
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.final
+                yield item
+                if finished:
+                    return
+        finally:
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+            if not finished:  # the reader stopped early: free the stream's slot
+                abort(request_id)
 
 
 class WithoutVoiceCloning:

@@ -34,8 +34,9 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -49,8 +50,11 @@ from serve_app.engines.base import (
     EngineOverloadedError,
     EngineStats,
     InvalidRequestError,
+    Outbox,
+    OutputSink,
     RequestAbortedError,
     SpeechRequest,
+    StreamQueues,
     WithoutVoiceCloning,
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
@@ -77,7 +81,7 @@ class _Stream:
     request: SpeechRequest
     scales: Scales
     submitted_at_s: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sink: OutputSink  # where its chunks go (Engine.submit_to)
     pieces: deque | None = None  # phoneme-id pieces still to synthesize; None before phonemizing
     fed: ClauseFeed | None = None  # streamed input; its clauses are phonemized by the worker
     samples_emitted: int = 0
@@ -122,6 +126,7 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
         self._max_queued_streams = max_queued_streams
         self._faults = FaultInjection.from_options(fault_injection)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._stream_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # submit's
         self._stats = EngineStats(max_slots=self.max_batch_size)
         # One worker: ONNX Runtime parallelises inside a step; steps themselves are sequential.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="piper-step")
@@ -171,24 +176,28 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
                                       code="duplicate_request_id")
 
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
+        return StreamQueues.for_running_loop(self._stream_queues).submit(
+            [r.request_id for r in requests], lambda sink: self.submit_to(requests, sink),
+            self.abort)
+
+    def submit_to(self, requests: list[SpeechRequest], sink: OutputSink) -> None:
+        """Admit requests (call it on the event loop the engine's steps run on)."""
         for request in requests:
             self.validate(request)
         if len(self._streams) + len(requests) > self.max_batch_size + self._max_queued_streams:
             raise EngineOverloadedError("engine queue is full")
         self._ensure_loop()
-        iterators = []
         now = time.perf_counter()
         for request in requests:
-            stream = _Stream(request=request, scales=self._scales(request), submitted_at_s=now)
+            stream = _Stream(request=request, scales=self._scales(request), submitted_at_s=now,
+                             sink=sink)
             if request.text_input == "streamed":
                 stream.pieces = deque()
                 stream.fed = ClauseFeed(request.text, MAX_TEXT_CHARS)
             self._streams[request.request_id] = stream
-            iterators.append(self._iterate(stream))
         assert self._wakeup is not None
         self._wakeup.set()
         self._refresh_gauges()
-        return iterators
 
     def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
         """Append text to a streamed request (see :meth:`Engine.feed_text`)."""
@@ -204,7 +213,7 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             return
         self._stats.aborted += 1
         self._refresh_gauges()
-        stream.queue.put_nowait(RequestAbortedError(f"request {request_id} aborted"))
+        stream.sink([(request_id, RequestAbortedError(f"request {request_id} aborted"))])
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._stats.as_dict())
@@ -246,12 +255,14 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             started_s = time.perf_counter()
             results = await loop.run_in_executor(self._executor, self._step, streams)
             step_s = time.perf_counter() - started_s
+            outbox = Outbox()
             self._stats.steps += 1
             self._stats.step_seconds += step_s
             self._stats.last_batch_size = len(streams)
             self._stats.max_batch_size_seen = max(self._stats.max_batch_size_seen, len(streams))
             for stream, result in zip(streams, results):
-                self._deliver(stream, result, step_s)
+                self._deliver(outbox, stream, result, step_s)
+            outbox.deliver()
             self._refresh_gauges()
 
     def _next_streams(self) -> list[_Stream]:
@@ -287,7 +298,7 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             self._streams.pop(request_id, None)
             self._stats.failed += 1
             logger.error("request %s failed: injected fault", request_id)
-            stream.queue.put_nowait(EngineError("speech synthesis failed (injected fault)"))
+            stream.sink([(request_id, EngineError("speech synthesis failed (injected fault)"))])
             return False
         if action == "delay" and not stream.not_before_s:
             stream.not_before_s = time.monotonic() + self._faults.delay_s
@@ -326,7 +337,7 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
                 results[index] = audio
         return results
 
-    def _deliver(self, stream: _Stream, result: np.ndarray | None | BaseException,
+    def _deliver(self, outbox: Outbox, stream: _Stream, result: np.ndarray | None | BaseException,
                  step_s: float) -> None:
         request_id = stream.request.request_id
         if self._streams.get(request_id) is not stream or (result is None and stream.fed
@@ -336,7 +347,7 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             self._streams.pop(request_id, None)
             self._stats.failed += 1
             logger.error("request %s failed: %r", request_id, result)
-            stream.queue.put_nowait(EngineError("speech synthesis failed"))
+            outbox.put(stream.sink, request_id, EngineError("speech synthesis failed"))
             return
         samples = np.zeros(0, dtype=np.float32) if result is None else result
         max_audio_s = stream.request.max_audio_s
@@ -359,26 +370,9 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
         if final:
             self._streams.pop(request_id, None)
             self._stats.completed += 1
-        stream.queue.put_nowait(AudioChunk(request_id=request_id, samples=samples,
-                                           sample_rate_hz=self.sample_rate_hz, final=final,
-                                           timings_s=timings))
-
-    async def _iterate(self, stream: _Stream) -> AsyncIterator[AudioChunk]:
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.final
-                yield item
-                if finished:
-                    return
-        finally:
-            # A consumer that stops early frees the stream's slot.
-            if not finished:
-                self.abort(stream.request.request_id)
+        outbox.put(stream.sink, request_id,
+                   AudioChunk(request_id=request_id, samples=samples,
+                              sample_rate_hz=self.sample_rate_hz, final=final, timings_s=timings))
 
     def _refresh_gauges(self) -> None:
         self._stats.active_streams = min(len(self._streams), self.max_batch_size)

@@ -131,9 +131,10 @@ def test_validate_rejects_before_scheduling(engine: PiperEngine, fields: dict, p
     with pytest.raises(InvalidRequestError) as caught:
         engine.validate(request)
     assert (caught.value.param, caught.value.status_code) == (param, status)
+    delivered: list = []
     with pytest.raises(InvalidRequestError):
-        engine.submit([request])
-    assert engine.stats().steps == steps
+        engine.submit_to([request], delivered.extend)
+    assert engine.stats().steps == steps and not delivered
 
 
 def test_instructions_are_refused_as_the_engine_cannot_follow_them(engine: PiperEngine) -> None:

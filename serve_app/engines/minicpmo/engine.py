@@ -12,13 +12,22 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from typing import AsyncIterator, Sequence
 
 import numpy as np
 import torch
 
 from ...text_rule import MAX_TEXT_CHARS, check_text
-from ..base import TEXT_INPUTS, AudioChunk, EngineStats, InvalidRequestError, SpeechRequest
+from ..base import (
+    TEXT_INPUTS,
+    AudioChunk,
+    EngineStats,
+    InvalidRequestError,
+    OutputSink,
+    SpeechRequest,
+    StreamQueues,
+)
 from ..streamed_text import StreamedText
 from .audio_in import prepare_clip
 from .benchmark_mode import BenchmarkMode
@@ -77,6 +86,7 @@ class MiniCPMOEngine:
         self._loop = StepLoop(model, options, self._scheduler, self._runner, chat, self._spk_id,
                               self._gen_prompt_ids, self._voices)
         self._benchmark = BenchmarkMode.from_options(options.benchmark)
+        self._stream_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # submit's
 
     @classmethod
     def from_options(cls, **raw: object) -> "MiniCPMOEngine":
@@ -233,22 +243,32 @@ class MiniCPMOEngine:
         return self._benchmark.describe() if self._benchmark is not None else None
 
     def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
+        return StreamQueues.for_running_loop(self._stream_queues).submit(
+            [r.request_id for r in requests], lambda sink: self.submit_to(requests, sink),
+            self.abort)
+
+    def submit_to(self, requests: list[SpeechRequest], sink: OutputSink) -> None:
         for request in requests:
             self.validate(request)
         if self._benchmark is not None:
             requests = [self._benchmark.fix_lengths(r) for r in requests]
-        return self.submit_plans([self.plan(r) for r in requests])
+        self.submit_plans_to([self.plan(r) for r in requests], sink)
 
     def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:
-        """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces). Each
-        stream holds its cloned voice from here to its end (the table cannot drop it)."""
-        loop = asyncio.get_running_loop()
+        """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces)."""
+        return StreamQueues.for_running_loop(self._stream_queues).submit(
+            [p.request.request_id for p in plans], lambda sink: self.submit_plans_to(plans, sink),
+            self.abort)
+
+    def submit_plans_to(self, plans: Sequence[StreamPlan], sink: OutputSink) -> None:
+        """Admit prepared plans, their output going to ``sink``. Each stream holds its cloned
+        voice from here to its end (the table cannot drop it)."""
         voices = self._voices.acquire([plan.request.voice for plan in plans])
         try:
             for plan, voice in zip(plans, voices):
                 if plan.is_chat and voice is not None and plan.prompt_ids is not None:
                     self._check_chat_room(voice.length + len(plan.prompt_ids))  # voice re-added
-            streams = [Stream(plan, asyncio.Queue(), loop, time.perf_counter(),
+            streams = [Stream(plan, sink, time.perf_counter(),
                               fed_text=StreamedText(MAX_TEXT_CHARS, len(plan.request.text))
                               if plan.text_feed is not None else None, voice=voice)
                        for plan, voice in zip(plans, voices)]
@@ -257,7 +277,6 @@ class MiniCPMOEngine:
             self._voices.release(voices)
             raise
         self._loop.wake()
-        return [self._iterate(stream) for stream in streams]
 
     def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
         """Append text to a streamed request (see :meth:`Engine.feed_text`); the step thread
@@ -307,16 +326,3 @@ class MiniCPMOEngine:
 
     def close(self) -> None:
         self._loop.close()
-
-    async def _iterate(self, stream: Stream) -> AsyncIterator[AudioChunk]:
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.final:
-                    return
-        finally:
-            if not stream.done:
-                self.abort(stream.request_id)

@@ -1,7 +1,7 @@
 """Output side of the engine: decoded audio joined per stream and handed to its caller.
 
-Audio a stream produced leaves as soon as no later piece can change it; chunks cross from the
-step thread to the caller's event loop with ``call_soon_threadsafe``.
+Audio a stream produced leaves as soon as no later piece can change it: chunks go into the step's
+:class:`~serve_app.engines.base.Outbox`, delivered to the streams' sinks when the step ends.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from ..base import AudioChunk
+from ..base import AudioChunk, Outbox
 from .codec import OVERLAP_SAMPLES, SAMPLE_RATE_HZ
 from .speech_schedule import DecodeJob
 
@@ -20,15 +20,12 @@ if TYPE_CHECKING:
     from .scheduler import Stream
 
 
-def send(stream: Stream, item: object) -> None:
-    """Put a chunk or an error on the stream's queue, from any thread."""
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # the caller's event loop is gone; nobody is listening
-        pass
+def send(outbox: Outbox, stream: Stream, item: object) -> None:
+    """Queue a chunk or the error that ends the stream for its sink."""
+    outbox.put(stream.sink, stream.request_id, item)
 
 
-def emit(stream: Stream, samples: np.ndarray, final: bool = False) -> None:
+def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = False) -> None:
     """Send ``samples`` with the text spoken since the last chunk (empty chunks only if final)."""
     if len(samples) == 0 and not final:
         return
@@ -44,11 +41,11 @@ def emit(stream: Stream, samples: np.ndarray, final: bool = False) -> None:
     if stream.schedule is not None:
         stream.schedule.text_since_emit = ""
     stream.chunks_sent += 1
-    send(stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
+    send(outbox, stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
                             SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings))
 
 
-def join_decoded(decoded: Sequence[tuple[Stream, DecodeJob, np.ndarray]],
+def join_decoded(outbox: Outbox, decoded: Sequence[tuple[Stream, DecodeJob, np.ndarray]],
                  jobs: Sequence[tuple[Stream, DecodeJob]]) -> None:
     """Join each decoded piece into its stream's audio and send what is final; then close the
     segments that ``jobs`` end (all of this step's jobs, decoded or empty)."""
@@ -56,15 +53,15 @@ def join_decoded(decoded: Sequence[tuple[Stream, DecodeJob, np.ndarray]],
         if job.segment_start:
             tail = stream.joiner.finish()
             if len(tail):
-                emit(stream, tail)
+                emit(outbox, stream, tail)
             stream.joiner.reset()
-        emit(stream, stream.joiner.push(audio))
+        emit(outbox, stream, stream.joiner.push(audio))
     for stream, job in jobs:
         if job.last_of_segment and not stream.done:
             tail = stream.joiner.finish()
             stream.joiner.reset()
             if len(tail):
-                emit(stream, tail)
+                emit(outbox, stream, tail)
 
 
 class StreamingAudioJoiner:

@@ -6,13 +6,18 @@ Callers' threads (submit, abort, stats) and the step thread meet here under one 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import heapq
 import threading
 from dataclasses import dataclass, field
 
-from ..base import EngineOverloadedError, EngineStats, InvalidRequestError, SpeechRequest
+from ..base import (
+    EngineOverloadedError,
+    EngineStats,
+    InvalidRequestError,
+    OutputSink,
+    SpeechRequest,
+)
 from ..streamed_text import StreamedText, unknown_stream
 from .output import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
@@ -43,8 +48,7 @@ class Stream:
     """One admitted request's progress; ``slot``/``llm_slot`` are -1 while it holds none."""
 
     plan: StreamPlan
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    sink: OutputSink  # where its chunks go (Engine.submit_to)
     submitted_at: float
     fed_text: StreamedText | None = None  # streamed input: written by callers under the lock
     voice: VoicePrefix | None = None  # a cloned voice, held from submission to the end
@@ -185,10 +189,11 @@ class Scheduler:
                 heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.slot = stream.llm_slot = -1
 
-    def count(self, completed: int = 0, failed: int = 0) -> None:
+    def count(self, completed: int = 0, failed: int = 0, llm_steps: int = 0) -> None:
         with self.lock:
             self._stats.completed += completed
             self._stats.failed += failed
+            self._stats.llm_steps += llm_steps
 
     def count_step_time(self, seconds: float) -> None:
         with self.lock:

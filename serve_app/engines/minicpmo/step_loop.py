@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from ..base import EngineError, RequestAbortedError
+from ..base import EngineError, Outbox, RequestAbortedError
 from ..faults import FaultInjection, crash_process
 from .audio_step import AudioStepInputs
 from .chat import ChatText
@@ -55,6 +55,7 @@ class StepLoop:
         self._phase_s: dict[str, float] = collections.defaultdict(float)
         self._faults = FaultInjection.from_options(options.fault_injection)
         self._step_counter = itertools.count()
+        self._outbox = Outbox()  # this step's chunks and errors, delivered when it ends
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
@@ -89,6 +90,7 @@ class StepLoop:
                 logger.exception("engine step failed")
                 for stream in self.scheduler.running():
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
+            self._outbox.deliver()
             self.scheduler.count_step_time(time.perf_counter() - started_s)
 
     def _phase(self, name: str, started: float) -> float:
@@ -206,6 +208,7 @@ class StepLoop:
             if not streams:
                 return
             tokens = self.runner.llm_step([s.llm_slot for s in streams], self.chat.inputs(streams))
+            self.scheduler.count(llm_steps=1)
             for stream in streams:
                 stream.llm_len += 1
             for stream, token in zip(streams, tokens):
@@ -289,7 +292,7 @@ class StepLoop:
     def _decode(self, jobs: list[tuple[Stream, DecodeJob]]) -> None:
         real = [(s, j) for s, j in jobs if j.frames and not s.done]
         audio = self.runner.decode([j.frames for _, j in real]) if real else []
-        join_decoded([(s, j, a) for (s, j), a in zip(real, audio)], jobs)
+        join_decoded(self._outbox, [(s, j, a) for (s, j), a in zip(real, audio)], jobs)
 
     def _release_voice(self, stream: Stream) -> None:
         """The stream no longer holds its voice (the table may drop it again)."""
@@ -302,7 +305,7 @@ class StepLoop:
         tail = stream.joiner.finish() if stream.joiner is not None else np.zeros(0, np.float32)
         self.scheduler.release(stream)
         self._release_voice(stream)
-        emit(stream, tail, final=True)
+        emit(self._outbox, stream, tail, final=True)
         stream.done = True
         self.scheduler.count(completed=1)
 
@@ -313,13 +316,13 @@ class StepLoop:
         self._release_voice(stream)
         stream.done = True
         self.scheduler.count(failed=1)
-        send(stream, error)
+        send(self._outbox, stream, error)
 
     def _end_aborted(self) -> None:
         for stream in self.scheduler.take_aborted():
             self._release_voice(stream)
             stream.done = True
-            send(stream, RequestAbortedError("aborted"))
+            send(self._outbox, stream, RequestAbortedError("aborted"))
 
     def _inject_faults(self) -> None:
         """Fault injection (tests only): fail or crash streams whose text holds a marker."""
