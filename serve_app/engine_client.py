@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
+from serve_app import engine_wire
 from serve_app.engines.base import AudioChunk, EngineError, EngineStats, SpeechRequest
 from serve_app.messages import StreamUsage
 
@@ -130,8 +131,8 @@ class EngineClient:
         theirs.close()
         conn = Connection(ours.detach())
         try:
-            conn.send((engine, dict(options)))
-            message = conn.recv()
+            engine_wire.send_message(conn, (engine, dict(options)))
+            message = engine_wire.receive(conn)
         except (EOFError, OSError):
             code = process.wait()
             raise RuntimeError(f"the engine process exited with code {code} while starting "
@@ -243,8 +244,9 @@ class EngineClient:
         return loop
 
     def _send(self, message: tuple) -> None:
+        encoded = engine_wire.encode(message)
         with self._send_lock:
-            self._conn.send(message)
+            engine_wire.send(self._conn, encoded)
 
     async def _stream(self, request_id: str) -> AsyncIterator[AudioChunk]:
         inbox = self._inboxes[request_id]
@@ -268,7 +270,7 @@ class EngineClient:
     def _read_forever(self) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message = engine_wire.receive(self._conn)
             except (EOFError, OSError):
                 break
             if message[0] == "stats":

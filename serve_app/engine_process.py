@@ -9,7 +9,8 @@ keeps the Ray and HTTP side (:mod:`serve_app.engine_client`), and this process k
 its step thread competes only with this module's two small threads and its event loop, and no
 chunk passes through that loop: the engine hands each step's output to the sender thread.
 
-Messages (pickled tuples on a :class:`multiprocessing.connection.Connection`):
+Messages (tuples on a :class:`multiprocessing.connection.Connection`, their audio out of band:
+:mod:`serve_app.engine_wire`):
 
 - replica -> engine: ``(name, options)`` first; then ``("call", call_id, method, args)``
   (``submit``, ``feed_text``, ``stats``, ...), ``("abort", request_id)``, ``("close",)``.
@@ -19,7 +20,10 @@ Messages (pickled tuples on a :class:`multiprocessing.connection.Connection`):
 
 Outputs are sent in batches: the engine delivers everything one step produced in one call
 (``Engine.submit_to``'s sink), which becomes one message, so a busy step costs one write, not one
-per stream. A closed socket means the replica is gone: this process exits at once (the GPU memory
+per stream. The step thread pickles it (the chunks' fields, not their audio: the buffers stay out
+of band) and the sender thread writes it, giving up the GIL for every large write; no other
+thread here holds the GIL for long while streams run, so the step thread never waits long to
+get it back after a GPU sync. A closed socket means the replica is gone: this process exits at once (the GPU memory
 goes with it).
 
 Run as ``python -m serve_app.engine_process FD`` by :class:`~serve_app.engine_client.EngineClient`.
@@ -38,6 +42,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from serve_app import engine_wire
 from serve_app.engines.base import (
     AudioChunk,
     Engine,
@@ -127,7 +132,7 @@ class EngineServer:
     def run(self, facts: dict[str, Any]) -> None:
         sender = threading.Thread(target=self._send_forever, name="engine-sender", daemon=True)
         sender.start()
-        self._sends.put(("ready", facts))
+        self._sends.put(engine_wire.encode(("ready", facts)))
         asyncio.run(self._serve())
         self._engine.close()
         self._sends.put(None)  # after everything queued before it
@@ -145,7 +150,7 @@ class EngineServer:
         assert self._loop is not None
         while True:
             try:
-                message = self._conn.recv()
+                message = engine_wire.receive(self._conn)
             except (EOFError, OSError):
                 # The replica is gone (killed, crashed): nobody is left to serve.
                 logger.warning("replica closed the connection; engine process exits")
@@ -160,7 +165,7 @@ class EngineServer:
             if message is None:
                 return
             try:
-                self._conn.send(message)
+                engine_wire.send(self._conn, message)
             except (BrokenPipeError, OSError):
                 os._exit(0)
 
@@ -186,15 +191,18 @@ class EngineServer:
                 for refusal in submit_each(self._engine, requests, self._send_out)]
 
     def _send_out(self, items: list[tuple[str, object]]) -> None:
-        """The engine's output sink (called from its step thread): one message per delivery."""
-        self._sends.put(("out", [(request_id, item if isinstance(item, AudioChunk)
-                                  else portable(item)) for request_id, item in items]))
+        """The engine's output sink (called from its step thread): one message per delivery,
+        pickled here, written by the sender thread."""
+        self._sends.put(engine_wire.encode(
+            ("out", [(request_id, item if isinstance(item, AudioChunk) else portable(item))
+                     for request_id, item in items])))
 
     def _reply(self, call_id: int, method: str, args: tuple) -> None:
         try:
-            self._sends.put(("reply", call_id, True, self._calls[method](*args)))
+            self._sends.put(engine_wire.encode(("reply", call_id, True,
+                                                self._calls[method](*args))))
         except BaseException as exc:  # the caller gets it; the engine goes on
-            self._sends.put(("reply", call_id, False, portable(exc)))
+            self._sends.put(engine_wire.encode(("reply", call_id, False, portable(exc))))
 
     async def _call_in_thread(self, call_id: int, method: str, args: tuple) -> None:
         await asyncio.to_thread(self._reply, call_id, method, args)
@@ -204,7 +212,7 @@ class EngineServer:
         while True:
             stats = self._engine.stats()
             if stats != last:
-                self._sends.put(("stats", stats))
+                self._sends.put(engine_wire.encode(("stats", stats)))
                 last = stats
             await asyncio.sleep(STATS_INTERVAL_S)
 
@@ -215,13 +223,14 @@ def main() -> None:
     logging.basicConfig(
         level=os.environ.get("SERVE_APP_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s engine-process[{os.getpid()}] %(name)s: %(message)s")
-    name, options = conn.recv()
+    name, options = engine_wire.receive(conn)
     try:
         engine = create_engine(name, options)
         engine.warmup()
     except BaseException as exc:
         logger.exception("engine %s failed to start", name)
-        conn.send(("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        engine_wire.send_message(
+            conn, ("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
     EngineServer(engine, conn).run(engine_facts(engine, name))
 

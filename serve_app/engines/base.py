@@ -229,14 +229,21 @@ OutputSink = Callable[[list[tuple[str, "AudioChunk | BaseException"]]], None]
 
 class Outbox:
     """Items an engine step produced, delivered together at its end: one call per sink, so a
-    step that feeds 64 streams wakes each reader (an event loop, the engine process's sender)
-    once, not 64 times."""
+    step that feeds 64 streams costs the engine process one message, not 64.
+
+    A sink with ``per_item = True`` is called at once for each item instead: an event loop in
+    the engine's own process (:class:`StreamQueues`) shares the GIL with the step thread, and
+    one wake-up per item keeps its turns short, where a whole step's items in one wake-up
+    would hold the GIL for milliseconds while the step thread waits for it."""
 
     def __init__(self) -> None:
         self._items: list[tuple[OutputSink, str, object]] = []
 
     def put(self, sink: OutputSink, request_id: str, item: object) -> None:
-        self._items.append((sink, request_id, item))
+        if getattr(sink, "per_item", False):
+            sink([(request_id, item)])
+        else:
+            self._items.append((sink, request_id, item))
 
     def deliver(self) -> None:
         items, self._items = self._items, []
@@ -249,8 +256,10 @@ class Outbox:
 
 class StreamQueues:
     """An output sink that turns :meth:`Engine.submit_to` into :meth:`Engine.submit`: items
-    cross to one event loop (one wake-up per delivery, from any thread) into per-request queues,
+    cross to one event loop (one wake-up per item, from any thread) into per-request queues,
     read as async iterators. A reader that stops early aborts its stream."""
+
+    per_item = True  # see Outbox
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

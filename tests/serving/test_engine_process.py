@@ -153,3 +153,29 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_wire_carries_audio_out_of_band_and_writable() -> None:
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    from serve_app import engine_wire
+
+    audio = np.linspace(-1, 1, 24_000, dtype=np.float32)
+    message = ("out", [("a", AudioChunk("a", audio, 24_000, text="one")),
+                       ("b", AudioChunk("b", np.zeros(0, np.float32), 24_000, final=True)),
+                       ("c", InvalidRequestError("bad", "text"))])
+    encoded = engine_wire.encode(message)
+    assert len(encoded.header) < 2_000  # the 96 kB of audio is not copied into the pickle
+    ours, theirs = socket.socketpair()
+    writer, reader = Connection(ours.detach()), Connection(theirs.detach())
+    sending = threading.Thread(target=engine_wire.send, args=(writer, encoded))
+    sending.start()
+    kind, items = engine_wire.receive(reader)
+    sending.join()
+    assert kind == "out" and [rid for rid, _ in items] == ["a", "b", "c"]
+    np.testing.assert_array_equal(items[0][1].samples, audio)
+    assert items[0][1].samples.flags.writeable and items[0][1].text == "one"
+    assert items[1][1].final and len(items[1][1].samples) == 0
+    assert isinstance(items[2][1], InvalidRequestError) and items[2][1].param == "text"
