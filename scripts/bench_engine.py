@@ -173,6 +173,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     steps_before = engine.stats().steps
     busy_before_s = engine.stats().step_seconds
     llm_steps_before = engine.stats().llm_steps
+    work_before = engine.device_work()
     phases_before = engine.phase_seconds()
     started = time.perf_counter()
     results = await asyncio.gather(*(run_one(engine, make_request(i, mode, args), d)
@@ -181,6 +182,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     steps = engine.stats().steps - steps_before
     busy_s = engine.stats().step_seconds - busy_before_s
     llm_steps = engine.stats().llm_steps - llm_steps_before
+    work = {key: value - work_before.get(key, 0) for key, value in engine.device_work().items()}
     phases = {k: round((v - phases_before.get(k, 0.0)) * 1000 / max(engine.stats().steps - steps_before, 1), 3)
               for k, v in engine.phase_seconds().items()}
     ttfbs = [r["ttfb_ms"] for r in results if r["ttfb_ms"] is not None]
@@ -201,6 +203,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "llm_steps_per_step": round(llm_steps / max(steps, 1), 3),
         "gpu_memory_gb": (torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
         "phase_ms_per_step": phases,
+        "device_work": work,
     }
     summary["ok"] = bool(realtime_share >= 0.99 and (summary["ttfb_ms_p99"] or 1e9) <= 500)
     summary["sample_request"] = results[0]
@@ -208,12 +211,76 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     return summary
 
 
-def tts_bytes_per_step(model, batch: int, positions: int) -> float:
-    weights = sum(p.numel() * p.element_size() for n, p in model.tts.named_parameters()
-                  if not n.startswith(("emb_text", "emb_code")))
-    shape = model.config.tts_shape()
-    kv = batch * shape.num_layers * 2 * shape.num_kv_heads * (positions + 1) * shape.head_dim * 2
-    return float(weights + kv)
+def tensor_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of a module's tensors as stored (quantized tensors by their parts), less ``skip``."""
+    total = 0
+    for name, tensor in module.state_dict().items():
+        if name.startswith(skip):
+            continue
+        inner = [getattr(tensor, part) for part in getattr(tensor, "tensor_data_names", [])]
+        total += sum(t.numel() * t.element_size() for t in (inner or [tensor]))
+    return total
+
+
+def kv_bytes_per_position(shape, element_size: int) -> int:
+    """Keys and values of one cache position of one row, all layers."""
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * element_size
+
+
+# Phases of the engine step (StepLoop._phase) and what each asks of the device; "schedule" is
+# host work only.
+PHASE_WORK = {"admit_prefill": "LLM prefill of admitted prompts",
+              "llm_decode": "batched LLM decode steps (chat text)",
+              "tts_prefill": "TTS text and carried-segment prefills",
+              "tts_step": "audio windows (TTS decode steps)",
+              "decode_emit": "DVAE + Vocos decode of finished pieces"}
+
+
+def phase_bytes(model, work: dict[str, int]) -> dict[str, float]:
+    """Bytes each phase must move for ``work`` (ModelRunner.work counts): every weight once per
+    device call (per frame step for audio windows), and the key and value positions attention
+    read. Embedding tables are left out (a step reads only its rows); prefill activations and
+    the caches' writes are small beside these and left out too."""
+    element = next(model.tts.parameters()).element_size()
+    tts_weights = tensor_bytes(model.tts, ("emb_text", "emb_code"))
+    llm_weights = tensor_bytes(model.llm, ("model.embed_tokens",))
+    tts_kv = kv_bytes_per_position(model.config.tts_shape(), element)
+    llm_kv = kv_bytes_per_position(model.config.llm, element)
+    decoder_weights = tensor_bytes(model.decoder) if isinstance(model.decoder, torch.nn.Module) else 0
+    get = lambda key: work.get(key, 0)  # noqa: E731
+    return {
+        "admit_prefill": get("llm_prefill_passes") * llm_weights + get("llm_prefill_tokens") * llm_kv,
+        "llm_decode": get("llm_steps") * llm_weights + get("llm_key_reads") * llm_kv,
+        "tts_prefill": ((get("text_prefill_passes") + get("carry_prefills")) * tts_weights
+                        + get("text_prefill_key_reads") * tts_kv),
+        "tts_step": get("audio_frame_steps") * tts_weights + get("audio_key_reads") * tts_kv,
+        "decode_emit": get("decode_calls") * decoder_weights,
+    }
+
+
+def roofline(model, work: dict[str, int], steps: int, phase_ms: dict[str, float],
+             busy_ms_per_step: float, peak_bytes_s: float | None) -> dict:
+    """Per phase: GB moved per engine step, and (with phase times) the bandwidth that achieves
+    beside the GPU's peak, as gpt-fast prints it; plus the whole step's."""
+    moved = phase_bytes(model, work)
+    phases = {}
+    for phase, total in moved.items():
+        entry = {"does": PHASE_WORK[phase], "gb_per_step": round(total / max(steps, 1) / 1e9, 4)}
+        ms = phase_ms.get(phase)
+        if ms:
+            rate = total / max(steps, 1) / (ms / 1000)
+            entry.update(ms_per_step=ms, tb_per_s=round(rate / 1e12, 3),
+                         peak_fraction=round(rate / peak_bytes_s, 3) if peak_bytes_s else None)
+        phases[phase] = entry
+    whole = sum(moved.values()) / max(steps, 1)
+    step_rate = whole / (busy_ms_per_step / 1000) if busy_ms_per_step else None
+    return {"phases": phases,
+            "work_per_step": {k: round(v / max(steps, 1), 2) for k, v in sorted(work.items())},
+            "gb_per_step": round(whole / 1e9, 4),
+            "step_tb_per_s": round(step_rate / 1e12, 3) if step_rate else None,
+            "step_peak_fraction": (round(step_rate / peak_bytes_s, 3)
+                                   if step_rate and peak_bytes_s else None),
+            "peak_tb_per_s": peak_bytes_s / 1e12 if peak_bytes_s else None}
 
 
 def git_commit() -> str:
@@ -261,16 +328,6 @@ def headline(sweep: list[dict], mode: str) -> tuple[dict, int]:
     ok = [r["concurrency"] for r in sweep if r["mode"] == mode and r["arrival"] == "poisson" and r["ok"]]
     return ({"ttfb_ms_p50": single.get("ttfb_ms_p50"), "rtf": single.get("rtf_p50")},
             max(ok) if ok else 0)
-
-
-def llm_bytes(model) -> int:
-    """Bytes the LLM's weights take on the device (quantized tensors counted as stored)."""
-    total = 0
-    for tensor in model.llm.state_dict().values():
-        inner = [getattr(tensor, name) for name in getattr(tensor, "tensor_data_names", [])]
-        for part in inner or [tensor]:
-            total += part.numel() * part.element_size()
-    return total
 
 
 def prompt_logits(model, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,7 +400,7 @@ def measure_variant(model, args, label: str) -> dict:
     free_gpu()
     return {"peak_memory_gb_32_streams": memory.get("peak_reserved_gb"),
             "peak_memory_32_streams": memory, "single_stream": single,
-            "max_realtime_streams": best, "llm_weight_bytes": llm_bytes(model), "sweep": sweep}
+            "max_realtime_streams": best, "llm_weight_bytes": tensor_bytes(model.llm), "sweep": sweep}
 
 
 def compare_quantization(args, gpu: str, gpu_tag: str) -> None:
@@ -517,10 +574,8 @@ def main() -> None:
     result["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     peak_bw = {"h100": 3.35e12, "h200": 4.8e12}.get(gpu_tag)
     for row in sweep:
-        bytes_step = tts_bytes_per_step(model, row["concurrency"], args.tts_positions)
-        row["tts_bytes_per_step_est"] = bytes_step
-        row["achieved_bandwidth_tb_s_est"] = bytes_step / (row["ms_per_step"] / 1000) / 1e12
-        row["peak_bandwidth_fraction_est"] = (row["achieved_bandwidth_tb_s_est"] * 1e12 / peak_bw) if peak_bw else None
+        row["roofline"] = roofline(model, row.pop("device_work"), row["engine_steps"],
+                                   row["phase_ms_per_step"], row["busy_ms_per_step"], peak_bw)
     if "baseline_sequential_eager" in result:
         ratios = {}
         for mode in args.modes:

@@ -295,6 +295,10 @@ class MiniCPMOEngine:
         """The finished schedule of a stream (only with ``keep_traces``)."""
         return self._loop.trace(request_id)
 
+    def device_work(self) -> dict[str, int]:
+        """What the device has been asked to do so far, by kind (``ModelRunner.work``)."""
+        return dict(self._runner.work)
+
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent in each phase of the step so far (only with ``profile_phases``)."""
         return self._loop.phase_seconds()

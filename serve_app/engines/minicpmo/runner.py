@@ -8,6 +8,7 @@ makes that choice once, when the engine starts.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Sequence
 
@@ -67,6 +68,10 @@ class ModelRunner:
                                     dtype=self.dtype)
         self.window = options.steps_per_sync
         self.spans = key_count_buckets(options.tts_max_positions + 1)
+        # What the device was asked to do, by kind (benchmarks turn it into bytes moved per
+        # phase; see scripts/bench_engine.py): calls, rows computed (graph padding included),
+        # and key positions attention read.
+        self.work: collections.Counter = collections.Counter()
         self.decoder = model.decoder
         if options.fuse_projections:
             fuse_projections(model.tts)
@@ -96,6 +101,7 @@ class ModelRunner:
             ids[i, : len(p)] = torch.tensor(p)
             valid[i, : len(p)] = True
         hidden, cache = self.llm_prefill(ids, valid, voices)
+        self.work.update(llm_prefill_passes=1, llm_prefill_tokens=int(valid.sum()))
         every = torch.arange(batch, device=self.device)
         spk_index = torch.tensor([max(i for i, t in enumerate(p) if t == spk_id) for p in prompts],
                                  device=self.device)
@@ -163,9 +169,14 @@ class ModelRunner:
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
+        self._count_llm_step(len(slots))
         tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
                                  torch.tensor(slots, device=self.device), False).cpu()
         return tokens.tolist()
+
+    def _count_llm_step(self, rows: int) -> None:
+        self.work.update(llm_steps=1, llm_rows=rows,
+                         llm_key_reads=rows * (self.llm_cache.max_positions + 1))
 
     def _on_device(self, inputs: LLMStepInputs) -> LLMStepInputs:
         return LLMStepInputs(**{f: getattr(inputs, f).to(self.device)
@@ -200,13 +211,19 @@ class ModelRunner:
 
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
+        self._count_text_prefill(len(slots), valid)
         ids_t, positions_t, valid_t, speaker_at_t = (t.to(self.device)
                                                      for t in (ids, positions, valid, speaker_at))
         text_prefill_step(self.model.tts, self.tts_cache, ids_t, positions_t, valid_t, speaker,
                           speaker_at_t, torch.tensor(slots, device=self.device), False)
 
+    def _count_text_prefill(self, rows: int, valid: torch.Tensor) -> None:
+        self.work.update(text_prefill_passes=1, text_prefill_tokens=int(valid.sum()),
+                         text_prefill_key_reads=rows * (self.tts_cache.max_positions + 1))
+
     def carry_prefill(self, slot: int, frames: list[list[int]], text_len: int) -> None:
         """``[Ptts]`` and the carried frames (all but the last) into a new segment's cache."""
+        self.work.update(carry_prefills=1, carry_prefill_tokens=len(frames))
         tts = self.model.tts
         cfg = self.model.config.tts
         codes = torch.tensor(frames[:-1], dtype=torch.long, device=self.device).view(-1, cfg.num_vq)
@@ -228,11 +245,17 @@ class ModelRunner:
         num_vq + 1] on the CPU (see :func:`~.audio_step.audio_window`)."""
         rows = torch.tensor(slots, device=self.device)
         span = attention_span(inputs, self.window, self.spans)
+        self._count_audio_window(len(slots), span)
         return audio_window(self.model.tts, self.tts_cache, inputs.to(self.device), rows, False,
                             self.window, span).cpu()
 
+    def _count_audio_window(self, rows: int, span: int) -> None:
+        self.work.update(audio_windows=1, audio_frame_steps=self.window,
+                         audio_rows=rows * self.window, audio_key_reads=rows * self.window * span)
+
     def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
         """DVAE + Vocos: each piece's code frames to float32 audio (one device-to-host copy)."""
+        self.work.update(decode_calls=1, decode_frames=sum(len(f) for f in frames))
         waves = self.decoder.decode([torch.tensor(f, dtype=torch.long) for f in frames])
         offsets = np.cumsum([0] + [len(w) for w in waves])
         flat = torch.cat([w.float() for w in waves]).cpu().numpy()
@@ -272,13 +295,18 @@ class GraphModelRunner(ModelRunner):
         return graphs.run(ids, valid, voices), graphs.cache
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
+        # the graph of the smallest bucket past the highest slot computes every row below it
+        self._count_llm_step(next(b for b in self.llm_graphs.buckets if b > max(slots)))
         return self.llm_graphs.run(slots, inputs).tolist()
 
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
+        self._count_text_prefill(len(slots), valid)
         self.text_prefill_graphs.run(slots, ids, positions, valid, speaker, speaker_at)
 
     def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
+        self._count_audio_window(next(b for b in self.audio_graphs.buckets if b > max(slots)),
+                                 attention_span(inputs, self.window, self.spans))
         return self.audio_graphs.run(slots, inputs)
 
 
