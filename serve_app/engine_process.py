@@ -193,9 +193,19 @@ class EngineServer:
     def _send_out(self, items: list[tuple[str, object]]) -> None:
         """The engine's output sink (called from its step thread): one message per delivery,
         pickled here, written by the sender thread."""
-        self._sends.put(engine_wire.encode(
-            ("out", [(request_id, item if isinstance(item, AudioChunk) else portable(item))
-                     for request_id, item in items])))
+        out = [(request_id, item if isinstance(item, AudioChunk) else portable(item))
+               for request_id, item in items]
+        try:
+            self._sends.put(engine_wire.encode(("out", out)))
+        except Exception:  # one item that cannot be sent ends its own stream, not the others
+            logger.exception("could not pickle a step's output; sending it item by item")
+            for request_id, item in out:
+                try:
+                    encoded = engine_wire.encode(("out", [(request_id, item)]))
+                except Exception as exc:
+                    encoded = engine_wire.encode(("out", [(request_id, EngineError(
+                        f"the engine's output could not be sent: {type(exc).__name__}"))]))
+                self._sends.put(encoded)
 
     def _reply(self, call_id: int, method: str, args: tuple) -> None:
         try:

@@ -9,12 +9,15 @@ HTTP once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["read", "chat"]
 TextInput = Literal["whole", "streamed"]
@@ -241,7 +244,7 @@ class Outbox:
 
     def put(self, sink: OutputSink, request_id: str, item: object) -> None:
         if getattr(sink, "per_item", False):
-            sink([(request_id, item)])
+            _deliver_to(sink, [(request_id, item)])
         else:
             self._items.append((sink, request_id, item))
 
@@ -251,7 +254,16 @@ class Outbox:
         for sink, request_id, item in items:
             by_sink.setdefault(id(sink), (sink, []))[1].append((request_id, item))
         for sink, batch in by_sink.values():
-            sink(batch)  # type: ignore[arg-type]
+            _deliver_to(sink, batch)
+
+
+def _deliver_to(sink: OutputSink, items: list[tuple[str, object]]) -> None:
+    """A sink that fails loses its own items only; the engine's thread and other sinks go on."""
+    try:
+        sink(items)  # type: ignore[arg-type]
+    except Exception:
+        logger.exception("an output sink failed; %d items for %s are lost", len(items),
+                         sorted({request_id for request_id, _ in items}))
 
 
 class StreamQueues:

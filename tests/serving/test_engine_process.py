@@ -6,16 +6,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from serve_app import engine_wire
 from serve_app.engine_client import EngineClient, EngineDeadError, Inbox
-from serve_app.engines.base import AudioChunk, InvalidRequestError, SpeechRequest
+from serve_app.engine_process import EngineServer
+from serve_app.engines.base import AudioChunk, EngineError, InvalidRequestError, SpeechRequest
 from serve_app.engines.registry import create_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,12 +161,6 @@ def _state(pid: int) -> str:
 
 
 def test_the_wire_carries_audio_out_of_band_and_writable() -> None:
-    import socket
-    import threading
-    from multiprocessing.connection import Connection
-
-    from serve_app import engine_wire
-
     audio = np.linspace(-1, 1, 24_000, dtype=np.float32)
     message = ("out", [("a", AudioChunk("a", audio, 24_000, text="one")),
                        ("b", AudioChunk("b", np.zeros(0, np.float32), 24_000, final=True)),
@@ -179,3 +178,24 @@ def test_the_wire_carries_audio_out_of_band_and_writable() -> None:
     assert items[0][1].samples.flags.writeable and items[0][1].text == "one"
     assert items[1][1].final and len(items[1][1].samples) == 0
     assert isinstance(items[2][1], InvalidRequestError) and items[2][1].param == "text"
+
+
+def test_an_output_item_that_cannot_be_sent_ends_only_its_own_stream() -> None:
+    engine = create_engine("piper", {"intra_op_threads": 1})
+    ours, theirs = socket.socketpair()
+    writer, reader = Connection(ours.detach()), Connection(theirs.detach())
+    try:
+        server = EngineServer(engine, writer)
+        good = AudioChunk("good", np.ones(480, np.float32), 24_000, text="fine")
+        # a chunk whose timings hold something pickle refuses
+        bad = AudioChunk("bad", np.ones(480, np.float32), 24_000, timings_s={"x": lambda: 0.0})
+        server._send_out([("good", good), ("bad", bad)])
+        received = []
+        while not server._sends.empty():
+            engine_wire.send(writer, server._sends.get())
+            received.extend(engine_wire.receive(reader)[1])
+    finally:
+        engine.close()
+    items = dict(received)
+    np.testing.assert_array_equal(items["good"].samples, good.samples)
+    assert isinstance(items["bad"], EngineError) and "could not be sent" in str(items["bad"])

@@ -88,3 +88,16 @@ def test_an_aborted_stream_ends_with_its_abort_and_the_others_finish(engine) -> 
     for name in ("one", "three"):
         assert sink.items_of(f"{name}-abort")[-1].final
     assert engine.stats().active_streams == 0
+
+
+def test_a_failing_sink_loses_only_its_own_items(engine) -> None:
+    def broken(items: list) -> None:
+        raise RuntimeError("this reader is broken")
+
+    steps = engine.stats().steps
+    engine.submit_to([SpeechRequest("broken-reader", TEXT, seed=7, lengths=FRAMES)], broken)
+    sink = RecordingSink(expected_ends=1)
+    engine.submit_to([SpeechRequest("good-reader", TEXT, seed=7, lengths=FRAMES)], sink)
+    assert sink.ended.wait(timeout=300)
+    assert sink.items_of("good-reader")[-1].final
+    assert engine.stats().steps > steps  # the step thread went on
