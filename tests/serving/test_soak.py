@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.serving.conftest import RAY_ENV, _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +20,13 @@ DURATION_S = 60
 
 def test_a_minute_of_mixed_load_with_a_crash_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
+    # A port of its own, and no port sharing: another suite's service on a fixed port would
+    # otherwise take some of this one's connections (RAY_ENV in conftest.py says how).
     result = subprocess.run(
         [sys.executable, "-m", "loadtest.soak", "--duration-s", str(DURATION_S),
-         "--crash-at-s", "20", "--concurrency", "4", "--port", "8791", "--out", str(out),
-         "--log", str(tmp_path / "serve.log")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "--crash-at-s", "20", "--concurrency", "4", "--port", str(_free_port()),
+         "--out", str(out), "--log", str(tmp_path / "serve.log")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **RAY_ENV})
     assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["lost"] == 0, report
