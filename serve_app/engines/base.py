@@ -244,7 +244,7 @@ class Outbox:
 
     def put(self, sink: OutputSink, request_id: str, item: object) -> None:
         if getattr(sink, "per_item", False):
-            _deliver_to(sink, [(request_id, item)])
+            deliver_to(sink, [(request_id, item)])
         else:
             self._items.append((sink, request_id, item))
 
@@ -254,10 +254,10 @@ class Outbox:
         for sink, request_id, item in items:
             by_sink.setdefault(id(sink), (sink, []))[1].append((request_id, item))
         for sink, batch in by_sink.values():
-            _deliver_to(sink, batch)
+            deliver_to(sink, batch)
 
 
-def _deliver_to(sink: OutputSink, items: list[tuple[str, object]]) -> None:
+def deliver_to(sink: OutputSink, items: list[tuple[str, object]]) -> None:
     """A sink that fails loses its own items only; the engine's thread and other sinks go on."""
     try:
         sink(items)  # type: ignore[arg-type]
@@ -276,15 +276,6 @@ class StreamQueues:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queues: dict[str, asyncio.Queue] = {}
-
-    @classmethod
-    def for_running_loop(cls, cache: "weakref.WeakKeyDictionary") -> "StreamQueues":
-        """The engine's StreamQueues of the running loop (one per loop, kept in ``cache``)."""
-        loop = asyncio.get_running_loop()
-        queues = cache.get(loop)
-        if queues is None:
-            queues = cache[loop] = cls(loop)
-        return queues
 
     def __call__(self, items: list[tuple[str, object]]) -> None:
         try:
@@ -334,6 +325,25 @@ class StreamQueues:
                 del self._queues[request_id]
             if not finished:  # the reader stopped early: free the stream's slot
                 abort(request_id)
+
+
+class SubmitsIterators:
+    """:meth:`Engine.submit` for an engine that has :meth:`Engine.submit_to`: its iterators
+    read one :class:`StreamQueues` per event loop."""
+
+    def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
+        return self.iterators([r.request_id for r in requests],
+                              lambda sink: self.submit_to(requests, sink))  # type: ignore[attr-defined]
+
+    def iterators(self, request_ids: Sequence[str], submit_to: Callable[[StreamQueues], None]
+                  ) -> list[AsyncIterator[AudioChunk]]:
+        """Call ``submit_to`` with the running loop's StreamQueues; the requests' iterators."""
+        per_loop = self.__dict__.setdefault("_stream_queues", weakref.WeakKeyDictionary())
+        loop = asyncio.get_running_loop()
+        queues = per_loop.get(loop)
+        if queues is None:
+            queues = per_loop[loop] = StreamQueues(loop)
+        return queues.submit(request_ids, submit_to, self.abort)  # type: ignore[attr-defined]
 
 
 class WithoutVoiceCloning:

@@ -34,10 +34,9 @@ import functools
 import logging
 import threading
 import time
-import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 from piper import PiperVoice
@@ -54,8 +53,9 @@ from serve_app.engines.base import (
     OutputSink,
     RequestAbortedError,
     SpeechRequest,
-    StreamQueues,
+    SubmitsIterators,
     WithoutVoiceCloning,
+    deliver_to,
 )
 from serve_app.engines.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
@@ -95,7 +95,7 @@ class _Stream:
                     or not self.fed.open())
 
 
-class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
+class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning is refused
     """Continuous-batching Piper engine; see the module docstring for the contract details."""
 
     modes: tuple[str, ...] = ("read",)
@@ -126,7 +126,6 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
         self._max_queued_streams = max_queued_streams
         self._faults = FaultInjection.from_options(fault_injection)
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
-        self._stream_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # submit's
         self._stats = EngineStats(max_slots=self.max_batch_size)
         # One worker: ONNX Runtime parallelises inside a step; steps themselves are sequential.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="piper-step")
@@ -175,11 +174,6 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             raise InvalidRequestError("request id already in use", param="request_id",
                                       code="duplicate_request_id")
 
-    def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
-        return StreamQueues.for_running_loop(self._stream_queues).submit(
-            [r.request_id for r in requests], lambda sink: self.submit_to(requests, sink),
-            self.abort)
-
     def submit_to(self, requests: list[SpeechRequest], sink: OutputSink) -> None:
         """Admit requests (call it on the event loop the engine's steps run on)."""
         for request in requests:
@@ -213,7 +207,8 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             return
         self._stats.aborted += 1
         self._refresh_gauges()
-        stream.sink([(request_id, RequestAbortedError(f"request {request_id} aborted"))])
+        deliver_to(stream.sink,
+                   [(request_id, RequestAbortedError(f"request {request_id} aborted"))])
 
     def stats(self) -> EngineStats:
         return EngineStats(**self._stats.as_dict())
@@ -298,7 +293,8 @@ class PiperEngine(WithoutVoiceCloning):  # one voice: cloning is refused
             self._streams.pop(request_id, None)
             self._stats.failed += 1
             logger.error("request %s failed: injected fault", request_id)
-            stream.sink([(request_id, EngineError("speech synthesis failed (injected fault)"))])
+            deliver_to(stream.sink,
+                       [(request_id, EngineError("speech synthesis failed (injected fault)"))])
             return False
         if action == "delay" and not stream.not_before_s:
             stream.not_before_s = time.monotonic() + self._faults.delay_s

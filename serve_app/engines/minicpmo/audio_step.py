@@ -228,11 +228,17 @@ class AudioStepGraphs:
                                    self.rows[:keyed[i][0]], True, self.steps, keyed[i][1]))
         self.graphs = {keyed[i]: graph for i, graph in graphs.items()}
 
-    def run(self, slots: list[int], x: AudioStepInputs) -> torch.Tensor:
+    def shape(self, slots: list[int], x: AudioStepInputs) -> tuple[int, int]:
+        """The (batch bucket, attention span) whose graph runs these streams."""
+        return (next(b for b in self.buckets if b > max(slots)),
+                attention_span(x, self.steps, self.spans))
+
+    def run(self, slots: list[int], x: AudioStepInputs,
+            shape: tuple[int, int] | None = None) -> torch.Tensor:
         """Inputs ``x`` (CPU) of the streams in ``slots``; returns the window
-        [steps, B, vq + 1] (CPU), as :func:`audio_window`."""
-        bucket = next(b for b in self.buckets if b > max(slots))
-        span = attention_span(x, self.steps, self.spans)
+        [steps, B, vq + 1] (CPU), as :func:`audio_window`. ``shape``: :meth:`shape`'s answer,
+        when the caller has it."""
+        bucket, span = shape or self.shape(slots, x)
         self.host[:bucket].zero_()
         index = torch.tensor(slots)
         self.host[index] = x.pack()

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import threading
 import time
-import weakref
 from typing import AsyncIterator, Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ from ..base import (
     InvalidRequestError,
     OutputSink,
     SpeechRequest,
-    StreamQueues,
+    SubmitsIterators,
 )
 from ..streamed_text import StreamedText
 from .audio_in import prepare_clip
@@ -56,7 +55,7 @@ __all__ = ["EngineOptions", "MiniCPMOEngine", "StreamPlan"]
 logger = logging.getLogger(__name__)
 
 
-class MiniCPMOEngine:
+class MiniCPMOEngine(SubmitsIterators):
     """The production engine: native batched MiniCPM-o 2.6 speech."""
 
     sample_rate_hz = SAMPLE_RATE_HZ
@@ -86,7 +85,6 @@ class MiniCPMOEngine:
         self._loop = StepLoop(model, options, self._scheduler, self._runner, chat, self._spk_id,
                               self._gen_prompt_ids, self._voices)
         self._benchmark = BenchmarkMode.from_options(options.benchmark)
-        self._stream_queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # submit's
 
     @classmethod
     def from_options(cls, **raw: object) -> "MiniCPMOEngine":
@@ -242,11 +240,6 @@ class MiniCPMOEngine:
         """The benchmark-only setting in force (None in production)."""
         return self._benchmark.describe() if self._benchmark is not None else None
 
-    def submit(self, requests: list[SpeechRequest]) -> list[AsyncIterator[AudioChunk]]:
-        return StreamQueues.for_running_loop(self._stream_queues).submit(
-            [r.request_id for r in requests], lambda sink: self.submit_to(requests, sink),
-            self.abort)
-
     def submit_to(self, requests: list[SpeechRequest], sink: OutputSink) -> None:
         for request in requests:
             self.validate(request)
@@ -256,9 +249,8 @@ class MiniCPMOEngine:
 
     def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:
         """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces)."""
-        return StreamQueues.for_running_loop(self._stream_queues).submit(
-            [p.request.request_id for p in plans], lambda sink: self.submit_plans_to(plans, sink),
-            self.abort)
+        return self.iterators([p.request.request_id for p in plans],
+                              lambda sink: self.submit_plans_to(plans, sink))
 
     def submit_plans_to(self, plans: Sequence[StreamPlan], sink: OutputSink) -> None:
         """Admit prepared plans, their output going to ``sink``. Each stream holds its cloned

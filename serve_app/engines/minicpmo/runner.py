@@ -305,9 +305,9 @@ class GraphModelRunner(ModelRunner):
         self.text_prefill_graphs.run(slots, ids, positions, valid, speaker, speaker_at)
 
     def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
-        self._count_audio_window(next(b for b in self.audio_graphs.buckets if b > max(slots)),
-                                 attention_span(inputs, self.window, self.spans))
-        return self.audio_graphs.run(slots, inputs)
+        shape = self.audio_graphs.shape(slots, inputs)
+        self._count_audio_window(*shape)
+        return self.audio_graphs.run(slots, inputs, shape)
 
 
 def create_runner(model: LoadedModel, options: EngineOptions, penalty_width: int) -> ModelRunner:

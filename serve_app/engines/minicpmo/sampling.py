@@ -85,11 +85,8 @@ def sample_or_argmax(logits: torch.Tensor, greedy: torch.Tensor, seeds: torch.Te
     stay at -inf: a draw of exactly 1.0 gives +inf noise, and -inf + inf would be NaN, which
     ``argmax`` would pick. Ties go to the lowest index.
     """
-    uniform = hashed_uniform(seeds, counters, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(uniform))
-    keep = greedy[:, None] | (logits == float("-inf"))
-    noisy = torch.where(keep, logits, logits + gumbel)
-    return noisy.argmax(dim=-1)
+    index = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    return sample_or_argmax_at(logits, index, greedy, seeds, counters)
 
 
 def sample_or_argmax_at(logits: torch.Tensor, index: torch.Tensor, greedy: torch.Tensor,
