@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/bench_serve",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml")
+    parser.add_argument("--config-engine-options", action="store_true",
+                        help="keep --config's engine options (a deployment profile, e.g. "
+                             "serve_config.a10g.yaml) instead of bench_engine.py's")
     parser.add_argument("--modes", nargs="+", default=["read", "chat"])
     parser.add_argument("--read-levels", nargs="+", type=int, default=[1, 64, 128, 256])
     parser.add_argument("--chat-levels", nargs="+", type=int, default=[1, 32, 64, 128])
@@ -103,15 +106,17 @@ def _options(pairs: list[str]) -> dict[str, Any]:
 
 
 def bench_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The production config with the benchmark setting, the bench engine options, this port,
-    and one Synthesizer replica (one GPU here)."""
+    """The production config with the benchmark setting, the bench engine options (or, with
+    ``--config-engine-options``, the config's own), this port, and one Synthesizer replica (one
+    GPU here)."""
     config = yaml.safe_load(args.config.read_text(encoding="utf-8"))
     config["http_options"] = {**config.get("http_options", {}), "host": "127.0.0.1",
                               "port": args.port}
     [app] = config["applications"]
     app["name"] = APP
     options = app["args"].setdefault("engine_options", {})
-    options.update(BENCH_ENGINE_OPTIONS)
+    if not args.config_engine_options:
+        options.update(BENCH_ENGINE_OPTIONS)
     options.update(_options(args.engine_option))
     options["benchmark"] = {"random_weights": args.checkpoint is None,
                             "tts_tokenizer": str(args.tts_tokenizer),
@@ -200,22 +205,24 @@ INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
 SYNTHESIZER_LINE = re.compile(r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
 
 
-BUSY_LINE = re.compile(
-    r"engine busy period: steps=(\d+) busy_s=([\d.]+)(?:.*? llm_steps=(\d+))?")
+BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)"
+                       r"(?:.*? llm_steps=(\d+))?(?:.*? device_memory_peak_gb=([\d.]+))?")
 
 
 def engine_busy(log_text: str) -> dict[str, Any] | None:
     """The served engine's steps and its time per step (inside steps, idle left out) over the
     level, from the synthesizer's busy-period log lines: bench_engine.py's
     ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here."""
-    periods = [(int(m[1]), float(m[2]), int(m[3] or 0)) for m in BUSY_LINE.finditer(log_text)]
+    periods = [(int(m[1]), float(m[2]), int(m[3] or 0), float(m[4] or 0))
+               for m in BUSY_LINE.finditer(log_text)]
     steps = sum(p[0] for p in periods)
     if not steps:
         return None
     busy_s = sum(p[1] for p in periods)
     return {"steps": steps, "busy_s": round(busy_s, 3),
             "busy_ms_per_step": round(busy_s * 1000 / steps, 3),
-            "llm_steps_per_step": round(sum(p[2] for p in periods) / steps, 3)}
+            "llm_steps_per_step": round(sum(p[2] for p in periods) / steps, 3),
+            "device_memory_peak_gb": max(p[3] for p in periods)}
 
 
 def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:

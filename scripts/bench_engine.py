@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
 from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend  # noqa: E402
-from serve_app.engines.minicpmo.quantization import quantize_llm  # noqa: E402
+from serve_app.engines.minicpmo.quantization import QUANTIZATION_MODES, quantize_llm  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
     random_speech_model,
     synthetic_voice_clip,
@@ -405,7 +405,13 @@ def measure_variant(model, args, label: str) -> dict:
 
 def compare_quantization(args, gpu: str, gpu_tag: str) -> None:
     """bf16, then ``args.quantization`` on the same random weights, into one JSON."""
-    import torchao
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
 
     quantization = args.quantization
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"{quantization}-{gpu_tag}.json"
@@ -413,7 +419,8 @@ def compare_quantization(args, gpu: str, gpu_tag: str) -> None:
     started = time.perf_counter()
     model = random_speech_model(args.tts_tokenizer, args.device, torch.bfloat16)
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "git_commit": git_commit(), "torch": torch.__version__, "torchao": torchao.__version__,
+              "git_commit": git_commit(), "torch": torch.__version__, "torchao": installed("torchao"),
+              "gemlite": installed("gemlite"),
               "weights": "random, full size (bf16 built on the GPU, then quantized in place)",
               "quantization": quantization, "quantized": "LLM decoder linears (q/k/v/o, gate/up/down); "
               "embeddings, lm_head, TTS, DVAE and Vocos stay bf16/fp32",
@@ -495,8 +502,8 @@ def main() -> None:
                         help="combine result JSONs of one GPU and commit (e.g. a read run and a chat "
                              "run, each within the device's per-command time) into --out, and exit")
     parser.add_argument("--plot-only", default=None, help="redraw the PNG of an existing JSON and exit")
-    parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
-                        help="LLM weight-only quantization (torchao)")
+    parser.add_argument("--quantization", choices=list(QUANTIZATION_MODES), default="none",
+                        help="LLM weight-only quantization (int4: GemLite; int8, int4-tinygemm: torchao)")
     parser.add_argument("--compare-quantization", action="store_true",
                         help="measure bf16 and --quantization on the same random weights")
     parser.add_argument("--logit-prompt-tokens", type=int, default=128)

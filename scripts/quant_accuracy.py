@@ -2,9 +2,10 @@
 """Where the error of the quantized LLM comes from, on full-size random weights (GPU).
 
 For one prompt it compares bf16 and the quantized LLM (same weights) layer by layer, so the
-per-layer error and its growth with depth are visible, and checks single linears: the torchao
-kernel's output against the bf16 matmul and against a matmul with the weight dequantized by
-torchao's own quantization primitives (that difference is the kernel's, not the format's).
+per-layer error and its growth with depth are visible, and checks single linears: the kernel's
+output against the bf16 matmul and against a matmul with the weight its format represents
+(``int4``: GemLite over :class:`Int4Weight`; ``int4-tinygemm``: torchao's own primitives; that
+difference is the kernel's, not the format's).
 It does so for the default random init (std 0.02 everywhere) and for a depth-scaled init
 (``o_proj``/``down_proj`` scaled by 1/sqrt(2 x layers), as GPT-2 initialises them), and can add
 Poisson-arrival engine runs at ``--poisson-concurrency`` for bf16 and the quantized LLM.
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_engine  # noqa: E402
 from serve_app.engines.minicpmo.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
+    Int4Weight,
+    gemlite_linear,
     quantize_linears,
     quantize_llm,
 )
@@ -77,11 +80,16 @@ def linear_checks(model, mode: str, device: str) -> dict:
             x = torch.randn(64, weight.shape[1], generator=generator).to(device, weight.dtype)
             with torch.inference_mode():
                 reference = F.linear(x, weight)
-                quantize_linears(linear, mode)
-                quantized = linear(x)
+                if mode == "int4":
+                    int4 = Int4Weight.quantize(weight, INT4_GROUP_SIZE)
+                    quantized = gemlite_linear(int4, None, weight.dtype)(x)
+                else:
+                    quantize_linears(linear, mode)
+                    quantized = linear(x)
             row = {"kernel_vs_bf16": relative(quantized, reference)}
-            if mode == "int4":
-                dequantized = tinygemm_dequantized(weight)
+            if mode.startswith("int4"):
+                dequantized = (int4.dequantize(weight.dtype) if mode == "int4"
+                               else tinygemm_dequantized(weight))
                 row["weight_error"] = relative(dequantized, weight)
                 row["kernel_vs_dequantized_matmul"] = relative(quantized, F.linear(x, dequantized))
             out[f"layers.{index}.{name}"] = row
@@ -157,7 +165,7 @@ def analyse(args, init: str, with_poisson: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quantization", choices=["int8", "int4"], default="int4")
+    parser.add_argument("--quantization", choices=["int8", "int4", "int4-tinygemm"], default="int4")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--poisson-concurrency", nargs="*", type=int, default=[])
     parser.add_argument("--audio-seconds", type=float, default=10.0)
@@ -165,13 +173,14 @@ def main() -> None:
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    import torchao
+    from importlib.metadata import version
 
     started = time.perf_counter()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "git_commit": bench_engine.git_commit(), "torch": torch.__version__,
-              "torchao": torchao.__version__, "quantization": args.quantization,
+              "torchao": version("torchao"), "gemlite": version("gemlite"),
+              "quantization": args.quantization,
               "prompt_tokens": args.prompt_tokens}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

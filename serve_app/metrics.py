@@ -43,10 +43,12 @@ ENGINE_BATCH_OCCUPANCY = "tts_engine_batch_occupancy"
 ENGINE_STEPS_TOTAL = "tts_engine_steps_total"
 ENGINE_STEP_SECONDS_TOTAL = "tts_engine_step_seconds_total"
 ENGINE_STREAMS_TOTAL = "tts_engine_streams_total"
+ENGINE_DEVICE_MEMORY_PEAK = "tts_engine_device_memory_peak_bytes"
 
 ALL_METRICS: tuple[str, ...] = (
     TTFB_SECONDS, HTTP_STREAMS_ACTIVE, ERRORS_TOTAL, REAL_TIME_FACTOR, AUDIO_SECONDS_TOTAL,
     STAGE_SECONDS, ENGINE_ACTIVE_STREAMS, QUEUED_REQUESTS, ENGINE_SLOTS, ENGINE_BATCH_SIZE,
+    ENGINE_DEVICE_MEMORY_PEAK,
     ENGINE_BATCH_OCCUPANCY, ENGINE_STEPS_TOTAL, ENGINE_STREAMS_TOTAL)
 
 TTFB_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -152,6 +154,8 @@ class SynthesizerMetrics:
                                "time per step)")
         self._streams = Counter(ENGINE_STREAMS_TOTAL, description="Engine streams ended, by "
                                 "outcome", tag_keys=("outcome",))
+        self._memory_peak = Gauge(ENGINE_DEVICE_MEMORY_PEAK, description="Most GPU memory the "
+                                  "engine's allocator has held since it started (0 on CPU)")
         self._last = EngineStats()
 
     @_never_raises
@@ -164,6 +168,7 @@ class SynthesizerMetrics:
         self._slots.set(stats.max_slots)
         self._batch.set(batch)
         self._occupancy.set(batch / stats.max_slots if stats.max_slots else 0.0)
+        self._memory_peak.set(stats.device_memory_peak_bytes)
         last = self._last
         if stats.steps > last.steps:
             self._steps.inc(stats.steps - last.steps)

@@ -164,6 +164,7 @@ class EngineStats:
     max_batch_size_seen: int = 0
     step_seconds: float = 0.0  # wall time spent running steps: the engine's busy time
     llm_steps: int = 0  # batched LLM decode steps (chat text) run inside engine steps
+    device_memory_peak_bytes: int = 0  # most GPU memory the engine's allocator has held (0: CPU)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)

@@ -1,4 +1,5 @@
-"""cluster.yaml passes the checks `ray up` runs, and its node types fit serve_config.yaml."""
+"""cluster.yaml passes the checks `ray up` runs, and its node types fit the A10G profile it
+deploys (serve_config.a10g.yaml)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from serve_app.engines.minicpmo.options import EngineOptions
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,9 +24,22 @@ def cluster() -> dict:
 
 
 @pytest.fixture(scope="module")
-def deployments() -> dict[str, dict]:
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    return {d["name"]: d for d in config["applications"][0]["deployments"]}
+def a10g_profile() -> dict:
+    return yaml.safe_load((ROOT / "serve_config.a10g.yaml").read_text())["applications"][0]
+
+
+@pytest.fixture(scope="module")
+def deployments(a10g_profile: dict) -> dict[str, dict]:
+    return {d["name"]: d for d in a10g_profile["deployments"]}
+
+
+def test_the_cluster_deploys_the_a10g_profile_and_it_fits_an_a10g(a10g_profile: dict) -> None:
+    header = (ROOT / "cluster.yaml").read_text().split("cluster_name:")[0]
+    assert "serve deploy serve_config.a10g.yaml" in header
+    options = EngineOptions.from_raw(a10g_profile["args"]["engine_options"])
+    assert options.quantization == "int4" and options.gpu_memory_gb <= 22
+    synthesizer = {d["name"]: d for d in a10g_profile["deployments"]}["Synthesizer"]
+    assert synthesizer["max_ongoing_requests"] == options.max_slots
 
 
 def test_matches_rays_cluster_schema(cluster: dict) -> None:
@@ -62,7 +78,7 @@ def test_cpu_workers_and_head_have_no_gpu(cluster: dict, deployments: dict[str, 
 
 def test_setup_installs_the_project(cluster: dict) -> None:
     assert cluster["file_mounts"]["~/minicpmo-serve"] == "."
-    assert any("pip install" in command and "-e '.[minicpmo" in command
+    assert any("pip install" in command and "-e '.[minicpmo" in command and "gpu" in command
                for command in cluster["setup_commands"])
 
 

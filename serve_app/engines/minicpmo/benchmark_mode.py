@@ -60,10 +60,12 @@ class BenchmarkMode:
                                  llm_tokens=self.chat_tokens if request.mode == "chat" else None)
         return replace(request, lengths=lengths)
 
-    def random_model(self, device: torch.device, dtype: torch.dtype, clip_encoder: bool = True):
+    def random_model(self, device: torch.device, dtype: torch.dtype, clip_encoder: bool = True,
+                     quantization: str = "none"):
         """Full-size random weights, built straight on ``device`` (with ``clip_encoder``, the
-        Whisper-medium audio encoder and projection voice cloning needs too)."""
+        Whisper-medium audio encoder and projection voice cloning needs too), the LLM's decoder
+        layers quantized as they are built (``quantization``, an effective mode)."""
         from .synthetic import random_speech_model
 
         return random_speech_model(Path(self.tts_tokenizer), device, dtype,
-                                   clip_encoder=clip_encoder)
+                                   clip_encoder=clip_encoder, quantization=quantization)

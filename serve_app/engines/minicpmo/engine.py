@@ -34,7 +34,7 @@ from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel, load_speech_model
 from .options import EngineOptions, clones_voices
-from .quantization import quantize_llm
+from .quantization import effective_mode, require_backend
 from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
@@ -55,6 +55,17 @@ __all__ = ["EngineOptions", "MiniCPMOEngine", "StreamPlan"]
 logger = logging.getLogger(__name__)
 
 
+def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
+    """Cap this process's CUDA allocations on ``device`` at ``gigabytes`` (1e9 bytes): torch's
+    caching allocator then refuses to grow past it, as a GPU of that size would."""
+    if device.type != "cuda":
+        logger.info("gpu_memory_gb applies to CUDA devices only; %s is uncapped", device)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 1e9 / total), device)
+    logger.info("CUDA allocations capped at %.1f GB of %.1f GB", gigabytes, total / 1e9)
+
+
 class MiniCPMOEngine(SubmitsIterators):
     """The production engine: native batched MiniCPM-o 2.6 speech."""
 
@@ -66,6 +77,7 @@ class MiniCPMOEngine(SubmitsIterators):
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
         self.options = options
         self.model = model
+        self._device = next(model.llm.parameters()).device
         tok = model.tokenizer
         self._spk_id = tok.convert_tokens_to_ids("<|spk|>")
         self._gen_prompt_ids = tok(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
@@ -91,10 +103,14 @@ class MiniCPMOEngine(SubmitsIterators):
         options = EngineOptions.from_raw(raw)
         started = time.perf_counter()
         benchmark = BenchmarkMode(**options.benchmark) if options.benchmark else None
+        device = options.resolved_device()
+        if options.gpu_memory_gb is not None:
+            cap_gpu_memory(device, options.gpu_memory_gb)
         if benchmark is not None and benchmark.random_weights:
-            model = benchmark.random_model(options.resolved_device(), options.resolved_dtype(),
-                                           clip_encoder=options.voices)
-            quantize_llm(model.llm, options.quantization)
+            require_backend(options.quantization, device)
+            model = benchmark.random_model(device, options.resolved_dtype(),
+                                           clip_encoder=options.voices,
+                                           quantization=effective_mode(options.quantization, device))
         else:
             model = load_speech_model(options.model, options.revision, options.resolved_device(),
                                       options.resolved_dtype(), quantization=options.quantization,
@@ -281,7 +297,10 @@ class MiniCPMOEngine(SubmitsIterators):
         self._loop.wake()
 
     def stats(self) -> EngineStats:
-        return self._scheduler.stats()
+        stats = self._scheduler.stats()
+        if self._device.type == "cuda":
+            stats.device_memory_peak_bytes = torch.cuda.max_memory_reserved(self._device)
+        return stats
 
     def trace(self, request_id: str) -> SpeechSchedule | None:
         """The finished schedule of a stream (only with ``keep_traces``)."""

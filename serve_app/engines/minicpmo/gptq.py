@@ -13,7 +13,8 @@ Each quantized linear ``<name>`` is stored as AutoGPTQ writes it:
 
 The weight is ``W[o, k] = scales[g_idx[k], o] * (q[k, o] - zero[g_idx[k], o])``. The loader turns
 each such linear back into a dense weight in the compute dtype (one linear at a time, on the
-target device); :mod:`.quantization` may then quantize it again for a fast int4 kernel.
+target device), or, for the int4 kernel, hands its codes, scales and zeros over as they are
+(:func:`gptq_int4_weight`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .quantization import Int4Weight
 
 GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -70,6 +73,25 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.flatten(-2).movedim(-1, dim)
 
 
+def _unpack_gptq_linear(parts: dict[str, torch.Tensor], config: GPTQConfig
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """codes [in, out], zeros and scales [groups, out], g_idx [in] (long) and the group size."""
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    codes = unpack_int4(qweight, 0)  # [in, out]
+    in_features, out_features = codes.shape
+    zeros = unpack_int4(qzeros, 1)[:, :out_features] + config.zero_offset  # [groups, out]
+    if scales.shape != zeros.shape:
+        raise ValueError(f"GPTQ scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} differ")
+    group_size = config.group_size if config.group_size > 0 else in_features
+    g_idx = parts.get("g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(in_features, device=codes.device) // group_size
+    g_idx = g_idx.long()
+    if g_idx.shape != (in_features,) or int(g_idx.max()) >= scales.shape[0]:
+        raise ValueError("GPTQ g_idx does not match qweight and scales")
+    return codes, zeros, scales, g_idx, group_size
+
+
 def dequantize_gptq_linear(parts: dict[str, torch.Tensor], config: GPTQConfig,
                            dtype: torch.dtype) -> torch.Tensor:
     """The dense ``nn.Linear`` weight [out, in] of one GPTQ linear, in ``dtype``.
@@ -77,18 +99,19 @@ def dequantize_gptq_linear(parts: dict[str, torch.Tensor], config: GPTQConfig,
     ``parts`` holds ``qweight``, ``qzeros``, ``scales`` and optionally ``g_idx``, all on the
     device the weight should land on. The arithmetic is float32, rounded to ``dtype`` once.
     """
-    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-    codes = unpack_int4(qweight, 0)  # [in, out]
-    in_features, out_features = codes.shape
-    zeros = unpack_int4(qzeros, 1)[:, :out_features] + config.zero_offset  # [groups, out]
-    if scales.shape != zeros.shape:
-        raise ValueError(f"GPTQ scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} differ")
-    g_idx = parts.get("g_idx")
-    if g_idx is None:
-        group_size = config.group_size if config.group_size > 0 else in_features
-        g_idx = torch.arange(in_features, device=codes.device) // group_size
-    g_idx = g_idx.long()
-    if g_idx.shape != (in_features,) or int(g_idx.max()) >= scales.shape[0]:
-        raise ValueError("GPTQ g_idx does not match qweight and scales")
+    codes, zeros, scales, g_idx, _ = _unpack_gptq_linear(parts, config)
     weight = scales.float()[g_idx] * (codes - zeros[g_idx]).float()
     return weight.t().contiguous().to(dtype)
+
+
+def gptq_int4_weight(parts: dict[str, torch.Tensor], config: GPTQConfig) -> Int4Weight | None:
+    """The GPTQ linear's codes, scales and zeros as an :class:`Int4Weight` (no dense weight is
+    made), or None when its groups are not consecutive runs of inputs (act-order ``g_idx``),
+    which the int4 kernel cannot express."""
+    codes, zeros, scales, g_idx, group_size = _unpack_gptq_linear(parts, config)
+    in_features = codes.shape[0]
+    consecutive = torch.arange(in_features, device=g_idx.device) // group_size
+    if in_features % group_size or not torch.equal(g_idx, consecutive):
+        return None
+    return Int4Weight(codes.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(),
+                      zeros.t().float().contiguous(), group_size)

@@ -10,7 +10,9 @@ is a plain ``load_state_dict``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -122,23 +124,25 @@ class SlotAttention(nn.Module):
         self.v_proj = nn.Linear(shape.hidden_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
         self.one_query_kernel = "sdpa"  # see set_one_query_attention
-        self.qkv_weight: torch.Tensor | None = None  # see fuse_projections
-        self.qkv_bias: torch.Tensor | None = None
+        # q, k and v as one matmul (hidden -> [q | k | v]): see fuse_projections, or an int4
+        # kernel over the fused weight (quantization.py)
+        self.fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def fuse_projections(self) -> None:
         """One matmul for q, k and v: their weights become views of one concatenated tensor
         (the checkpoint names and the memory stay as they are)."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv_weight is not None or not _plain_linears(projections):
+        if self.fused_qkv is not None or not _plain_linears(projections):
             return
-        self.qkv_weight, self.qkv_bias = _concatenate_linears(projections)
+        weight, bias = _concatenate_linears(projections)
+        self.fused_qkv = functools.partial(F.linear, weight=weight, bias=bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
         batch, seq, _ = hidden.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_weight is not None:
-            qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias).view(batch, seq, heads + 2 * kv_heads, dim)
+        if self.fused_qkv is not None:
+            qkv = self.fused_qkv(hidden).view(batch, seq, heads + 2 * kv_heads, dim)
             qk = qkv[:, :, :heads + kv_heads].transpose(1, 2)
             v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
             # transformers' rotary formula, applied to queries and keys in one pass
@@ -218,17 +222,19 @@ class GatedMLP(LlamaMLP):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
-        self.gate_up_weight: torch.Tensor | None = None
+        # gate and up as one matmul (x -> [gate | up]): see fuse_projections, or an int4 kernel
+        self.fused_gate_up: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def fuse_projections(self) -> None:
-        if (self.gate_up_weight is None and _plain_linears((self.gate_proj, self.up_proj))
+        if (self.fused_gate_up is None and _plain_linears((self.gate_proj, self.up_proj))
                 and self.gate_proj.bias is None):
-            self.gate_up_weight, _ = _concatenate_linears((self.gate_proj, self.up_proj))
+            weight, _ = _concatenate_linears((self.gate_proj, self.up_proj))
+            self.fused_gate_up = functools.partial(F.linear, weight=weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
+        if self.fused_gate_up is None:
             return super().forward(x)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 

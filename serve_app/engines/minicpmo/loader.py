@@ -24,9 +24,9 @@ from torch import nn
 
 from .audio_in import ClipEncoder
 from .codec import SpeechDecoder
-from .gptq import GPTQ_PARTS, GPTQConfig, dequantize_gptq_linear
+from .gptq import GPTQ_PARTS, GPTQConfig, dequantize_gptq_linear, gptq_int4_weight
 from .modeling import ModelConfig, QwenLM, SpeechTokenModel
-from .quantization import effective_mode, quantize_linears, require_backend
+from .quantization import Int4Weight, effective_mode, quantize_decoder_layer, require_backend
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +128,12 @@ def _assign(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> Non
 
 class _LayerwiseAssigner:
     """Assigns a meta-built ``QwenLM``'s tensors, one decoder layer as soon as all of its
-    tensors have arrived, and hands that layer to ``finish_layer`` (quantization) at once, so
-    at most the layers still being read sit on the device in the compute dtype."""
+    tensors have arrived, and hands that layer to ``finish_layer(index, layer)`` (quantization)
+    at once, so at most the layers still being read sit on the device in the compute dtype."""
 
     _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
-    def __init__(self, llm: QwenLM, finish_layer: Callable[[nn.Module], object]) -> None:
+    def __init__(self, llm: QwenLM, finish_layer: Callable[[int, nn.Module], object]) -> None:
         self.llm = llm
         self.finish_layer = finish_layer
         self.expected = [set(layer.state_dict()) for layer in llm.model.layers]
@@ -154,7 +154,7 @@ class _LayerwiseAssigner:
         if len(bucket) == len(self.expected[index]):
             layer = self.llm.model.layers[index]
             _assign(layer, self.pending.pop(index), f"llm layer {index}")
-            self.finish_layer(layer)
+            self.finish_layer(index, layer)
             self.done.add(index)
 
     def finish(self) -> None:
@@ -174,8 +174,11 @@ class _LayerwiseAssigner:
 
 def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
              quantization: str = "none") -> QwenLM:
-    """The LLM from ``llm.*``: dense weights, or GPTQ int4 linears dequantized to ``dtype``;
-    then, layer by layer, quantized as ``quantization`` asks (see :mod:`.quantization`)."""
+    """The LLM from ``llm.*``: dense weights, or GPTQ int4 linears; then, layer by layer,
+    quantized as ``quantization`` asks (see :mod:`.quantization`).
+
+    GPTQ linears go to the int4 kernel as they are stored when it runs (``int4`` on CUDA) and
+    their groups allow it; otherwise they are dequantized to ``dtype`` first."""
     mode = effective_mode(quantization, device)
     if mode != quantization:
         logger.warning("quantization %s has no kernel on %s: running dequantized %s weights",
@@ -183,7 +186,12 @@ def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch
     gptq = GPTQConfig.from_checkpoint(path)
     with torch.device("meta"):
         llm = QwenLM(config.llm, config.vocab_size)
-    assigner = _LayerwiseAssigner(llm, lambda layer: quantize_linears(layer, mode))
+    int4_weights: dict[int, dict[str, Int4Weight]] = {}  # layer -> linear name -> weight
+
+    def finish_layer(index: int, layer: nn.Module) -> None:
+        quantize_decoder_layer(layer, mode, dtype, int4_weights.pop(index, None))
+
+    assigner = _LayerwiseAssigner(llm, finish_layer)
     if gptq is None:
         for key, tensor in iter_tensors(path, _llm_key, device, dtype):
             assigner.add(key[len("llm."):], tensor)
@@ -197,9 +205,8 @@ def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch
         if _llm_key(key) and is_gptq_part(key):
             module, _, part = key[len("llm."):].rpartition(".")
             expected_parts.setdefault(module, set()).add(part)
-    logger.info("GPTQ checkpoint (%s): dequantizing %d linears to %s", gptq, len(expected_parts),
-                dtype)
     collected: dict[str, dict[str, torch.Tensor]] = {}
+    direct = 0
     for key, tensor in iter_tensors(path, _llm_key, device, dtype, keep_dtype=is_gptq_part):
         module, _, part = key[len("llm."):].rpartition(".")
         if part not in GPTQ_PARTS:
@@ -207,12 +214,24 @@ def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch
             continue
         parts = collected.setdefault(module, {})
         parts[part] = tensor
-        if set(parts) == expected_parts[module]:
-            del collected[module]
+        if set(parts) != expected_parts[module]:
+            continue
+        del collected[module]
+        weight = gptq_int4_weight(parts, gptq) if mode == "int4" else None
+        layer = _LayerwiseAssigner._LAYER_KEY.fullmatch(module)
+        if weight is None or layer is None:
             assigner.add(f"{module}.weight", dequantize_gptq_linear(parts, gptq, dtype))
+            continue
+        direct += 1
+        int4_weights.setdefault(int(layer[1]), {})[layer[2]] = weight
+        # the kernel takes the codes; the linear itself only needs its shape until then
+        assigner.add(f"{module}.weight", torch.empty(weight.shape, dtype=dtype, device="meta"))
     if collected:
         raise ValueError(f"llm: incomplete GPTQ linears {sorted(collected)[:5]}")
     assigner.finish()
+    logger.info("GPTQ checkpoint (%s): %d linears into the int4 kernel as stored, %d dequantized "
+                "to %s%s", gptq, direct, len(expected_parts) - direct, dtype,
+                f" (then quantized: {mode})" if mode != "none" else "")
     return llm
 
 

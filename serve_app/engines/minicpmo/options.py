@@ -39,7 +39,9 @@ class EngineOptions:
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul (layers.py)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
-    quantization: str = "none"  # LLM decoder linears: none | int8 | int4 (torchao, `quant` extra)
+    quantization: str = "none"  # LLM decoder linears: none | int8 | int4 | int4-tinygemm (`quant` extra)
+    gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
+    # smaller GPU would: the A10G profile's 22 leaves an A10G's CUDA context room
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
     benchmark: dict | None = None  # benchmarks only: random weights, fixed lengths (benchmark_mode.py)
 
@@ -53,6 +55,8 @@ class EngineOptions:
             raise ValueError("voices must be true or false (voice cloning on or off)")
         if self.max_voices < 1:
             raise ValueError("max_voices must be at least 1")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ValueError("gpu_memory_gb must be a positive number of gigabytes")
 
     @classmethod
     def from_raw(cls, raw: dict[str, object]) -> "EngineOptions":

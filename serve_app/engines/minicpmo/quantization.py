@@ -1,10 +1,16 @@
-"""Weight-only quantization of the LLM's linear layers through torchao (the ``quant`` extra).
+"""Weight-only quantization of the LLM's linear layers (the ``quant`` extra).
 
-``int4``: torchao's ``Int4WeightOnlyConfig(group_size=128)`` in the ``tile_packed_to_4d``
-layout, whose matmul is PyTorch's own tinygemm kernel (``_weight_int4pack_mm``, CUDA, bf16
-activations); the default ``plain`` layout needs the separate mslk kernels. CPU has no kernel
-for that layout, so there int4 keeps the (dequantized) weights in the compute dtype.
-``int8``: ``Int8WeightOnlyConfig`` (per output row), on any device.
+``int4``: 4-bit weights in groups of 128 inputs, W = scale * (code - zero), multiplied by
+GemLite's Triton kernels (``gemlite``: GEMV for 1-4 rows, split-K GEMM up to 64, GEMM above;
+Ampere and Hopper alike). q/k/v and gate/up are quantized as one fused weight each, so a
+decoder layer runs four int4 matmuls, whose shapes GemLite ships tuned configurations for
+(Qwen2-7B's). An official GPTQ checkpoint's codes, scales and zeros go straight into the kernel's
+layout (:func:`gemlite_linear`), with no dense round trip.
+``int4-tinygemm``: torchao's ``Int4WeightOnlyConfig(group_size=128)`` in the
+``tile_packed_to_4d`` layout, PyTorch's own tinygemm kernel (``_weight_int4pack_mm``); fast for
+one row, several times slower than bf16 for the batched prefill and decode (kept to compare).
+CPU has no kernel for either, so there int4 keeps the (dequantized) weights in the compute dtype.
+``int8``: torchao's ``Int8WeightOnlyConfig`` (per output row), on any device.
 
 What is quantized: every ``nn.Linear`` of the decoder layers (q/k/v/o, gate/up/down). Not the
 embeddings, nor ``lm_head``: GPTQ checkpoints made with AutoGPTQ normally keep it unquantized
@@ -15,13 +21,14 @@ an A10G can afford. The TTS, DVAE and Vocos are never touched.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("none", "int8", "int4")
+QUANTIZATION_MODES = ("none", "int8", "int4", "int4-tinygemm")
 INT4_GROUP_SIZE = 128
 
 
@@ -29,24 +36,32 @@ class QuantizationUnavailableError(RuntimeError):
     """The asked quantization needs a library that is not installed."""
 
 
+def _unavailable(mode: str, library: str, extra: str) -> QuantizationUnavailableError:
+    return QuantizationUnavailableError(
+        f"quantization {mode!r} needs {library}: pip install 'minicpmo-serve[{extra}]' "
+        f"(or pip install {library}); set quantization: none to run without it")
+
+
 def _torchao_config(mode: str):
     try:
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
     except ImportError as error:
-        raise QuantizationUnavailableError(
-            f"quantization {mode!r} needs torchao: pip install 'minicpmo-serve[quant]' "
-            f"(or pip install torchao); set quantization: none to run without it") from error
-    if mode == "int4":
-        import torchao
-
-        if tuple(int(x) for x in torchao.__version__.split(".")[:2]) < (0, 18):
-            logger.warning("torchao %s clamps int4 scales at bf16 eps (0.0078): weight groups "
-                           "with a range under 0.12 lose precision; use torchao >= 0.18",
-                           torchao.__version__)
+        raise _unavailable(mode, "torchao", "quant") from error
+    if mode == "int4-tinygemm":
         return Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE,
                                     int4_packing_format="tile_packed_to_4d",
                                     set_inductor_config=False)
     return Int8WeightOnlyConfig(set_inductor_config=False)
+
+
+def _gemlite():
+    """GemLite's linear layer class and dtype enum (imported only on CUDA: importing it looks
+    up the GPU to pick its tuned configurations)."""
+    try:
+        from gemlite.core import DType, GemLiteLinearTriton
+    except ImportError as error:
+        raise _unavailable("int4", "gemlite", "gpu") from error
+    return GemLiteLinearTriton, DType
 
 
 def check_mode(mode: str) -> str:
@@ -58,25 +73,136 @@ def check_mode(mode: str) -> str:
 def effective_mode(mode: str, device: torch.device) -> str:
     """What ``mode`` becomes on ``device``: int4 runs dequantized where it has no kernel."""
     check_mode(mode)
-    if mode == "int4" and torch.device(device).type != "cuda":
+    if mode.startswith("int4") and torch.device(device).type != "cuda":
         return "none"
     return mode
 
 
-def quantize_linears(module: nn.Module, mode: str) -> int:
-    """Quantize every ``nn.Linear`` inside ``module`` in place; returns how many.
+def require_backend(mode: str, device: torch.device) -> None:
+    """Raise :class:`QuantizationUnavailableError` now if ``mode`` on ``device`` needs a library
+    that is missing."""
+    effective = effective_mode(mode, device)
+    if effective == "int4":
+        _gemlite()
+    elif effective != "none":
+        _torchao_config(effective)
 
-    ``mode`` is an effective mode (see :func:`effective_mode`); ``none`` does nothing and
-    needs no torchao. int4 weights are quantized from bf16 (tinygemm's activation dtype).
+
+@dataclass
+class Int4Weight:
+    """A linear's weight as 4-bit codes in groups along the inputs:
+    ``W[o, k] = scales[o, g] * (codes[o, k] - zeros[o, g])`` with ``g = k // group_size``.
+
+    ``codes`` uint8 [out, in] (0..15); ``scales`` and ``zeros`` float32 [out, in / group_size]
+    (a GPTQ zero is an integer, a quantized float weight's need not be).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> "Int4Weight":
+        """Round-to-nearest with each group's minimum and maximum as codes 0 and 15."""
+        out_features, in_features = weight.shape
+        if in_features % group_size:
+            raise ValueError(f"{in_features} inputs are not a multiple of groups of {group_size}")
+        grouped = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        zeros = -low / scales
+        codes = torch.round(grouped / scales[..., None] + zeros[..., None]).clamp_(0, 15)
+        return cls(codes.to(torch.uint8).reshape(out_features, in_features), scales, zeros,
+                   group_size)
+
+    @classmethod
+    def concatenate(cls, weights: list["Int4Weight"]) -> "Int4Weight":
+        """One weight whose outputs are ``weights``' outputs in turn (a fused projection)."""
+        if len({w.group_size for w in weights}) != 1:
+            raise ValueError("fused int4 weights need one group size")
+        return cls(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]),
+                   torch.cat([w.zeros for w in weights]), weights[0].group_size)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
+        return (expand(self.scales) * (self.codes.float() - expand(self.zeros))).to(dtype)
+
+
+def gemlite_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """A GemLite int4 linear (a module taking [..., in] activations in ``dtype``) for ``weight``,
+    on ``weight``'s device. The kernel computes ``(code - zero) * scale`` with scales and zeros
+    in ``dtype``."""
+    linear_class, gemlite_dtype = _gemlite()
+    kind = {torch.bfloat16: gemlite_dtype.BF16, torch.float16: gemlite_dtype.FP16}.get(dtype)
+    if kind is None:
+        raise ValueError(f"int4 needs bfloat16 or float16 activations, not {dtype}")
+    out_features, in_features = weight.shape
+    linear = linear_class(4, group_size=weight.group_size, in_features=in_features,
+                          out_features=out_features, input_dtype=kind, output_dtype=kind)
+    linear.pack(weight.codes.contiguous(), weight.scales.to(dtype).contiguous(),
+                weight.zeros.to(dtype).contiguous(),
+                bias=None if bias is None else bias.detach().to(dtype), fma_mode=False)
+    return linear
+
+
+def _int4_of(linear: nn.Linear, name: str, given: dict[str, Int4Weight] | None) -> Int4Weight:
+    if given is not None and name in given:
+        return given.pop(name)
+    return Int4Weight.quantize(linear.weight, INT4_GROUP_SIZE)
+
+
+def _bias_of(linears: list[nn.Linear]) -> torch.Tensor | None:
+    biases = [linear.bias for linear in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else b.new_zeros(linear.out_features)
+                      for b, linear in zip(biases, linears)])
+
+
+def quantize_layer_int4(layer: nn.Module, dtype: torch.dtype,
+                        given: dict[str, Int4Weight] | None = None) -> int:
+    """Replace a decoder layer's linears with GemLite int4 matmuls: q/k/v fused, gate/up fused,
+    o and down alone. ``given`` maps linear names (``self_attn.q_proj``) to int4 weights read
+    from a checkpoint; the rest are quantized from their float weights. Returns the number of
+    linears replaced."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = (("self_attn", attn, ("q_proj", "k_proj", "v_proj"), "fused_qkv"),
+              ("self_attn", attn, ("o_proj",), "o_proj"),
+              ("mlp", mlp, ("gate_proj", "up_proj"), "fused_gate_up"),
+              ("mlp", mlp, ("down_proj",), "down_proj"))
+    for prefix, owner, names, target in groups:
+        linears = [getattr(owner, name) for name in names]
+        weight = Int4Weight.concatenate([_int4_of(linear, f"{prefix}.{name}", given)
+                                         for linear, name in zip(linears, names)])
+        module = gemlite_linear(weight, _bias_of(linears), dtype)
+        for name in names:
+            setattr(owner, name, None)
+        setattr(owner, target, module)
+    return 7
+
+
+def quantize_linears(module: nn.Module, mode: str) -> int:
+    """Quantize every ``nn.Linear`` inside ``module`` in place with torchao; returns how many.
+
+    ``mode`` is an effective torchao mode (``int8``, ``int4-tinygemm``) or ``none``, which does
+    nothing and needs no torchao. tinygemm's weights are quantized from bf16 (its activation
+    dtype).
     """
     check_mode(mode)
+    if mode == "int4":
+        raise ValueError("int4 quantizes whole decoder layers: use quantize_decoder_layer")
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
     if mode == "none" or not linears:
         return 0
     config = _torchao_config(mode)
     from torchao.quantization import quantize_
 
-    if mode == "int4":
+    if mode == "int4-tinygemm":
         for linear in linears:
             if linear.weight.dtype != torch.bfloat16:
                 linear.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16),
@@ -85,26 +211,31 @@ def quantize_linears(module: nn.Module, mode: str) -> int:
     return len(linears)
 
 
+def quantize_decoder_layer(layer: nn.Module, mode: str, dtype: torch.dtype,
+                           given: dict[str, Int4Weight] | None = None) -> int:
+    """Quantize one decoder layer's linears as the effective ``mode`` asks; returns how many."""
+    if mode == "int4":
+        return quantize_layer_int4(layer, dtype, given)
+    if mode != "none":
+        # torchao swaps each linear's own weight: a fused matmul over views of the float
+        # weights (layers.fuse_projections) would go on reading those, so undo the fusion
+        layer.self_attn.fused_qkv = None
+        layer.mlp.fused_gate_up = None
+    return quantize_linears(layer, mode)
+
+
 def quantize_llm(llm: nn.Module, mode: str) -> str:
     """Quantize the decoder layers' linears of a loaded ``QwenLM``; returns the effective mode.
 
     The loader quantizes layer by layer while it reads (so a bf16 copy of the whole LLM never
-    sits on the device); this is for a model built otherwise (benchmarks' random weights).
+    sits on the device); this is for a model built otherwise.
     """
-    device = next(llm.parameters()).device
-    effective = effective_mode(mode, device)
+    parameter = next(llm.parameters())
+    effective = effective_mode(mode, parameter.device)
     if effective != mode:
         logger.warning("quantization %s has no kernel on %s: running dequantized weights", mode,
-                       device.type)
-    elif mode != "none":
-        _torchao_config(mode)  # fail before touching any layer when torchao is missing
+                       parameter.device.type)
+    require_backend(effective, parameter.device)  # fail before touching any layer
     for layer in llm.model.layers:
-        quantize_linears(layer, effective)
+        quantize_decoder_layer(layer, effective, parameter.dtype)
     return effective
-
-
-def require_backend(mode: str, device: torch.device) -> None:
-    """Raise :class:`QuantizationUnavailableError` now if ``mode`` on ``device`` needs torchao."""
-    effective = effective_mode(mode, device)
-    if effective != "none":
-        _torchao_config(effective)

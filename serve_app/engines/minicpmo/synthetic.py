@@ -110,14 +110,18 @@ def word_level_tokenizer(vocab_size: int):
 
 def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.device = "cuda",
                         dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                        clip_encoder: bool = False):
-    """The real config's shapes with random weights, built straight on ``device``.
+                        clip_encoder: bool = False, quantization: str = "none"):
+    """The real config's shapes with random weights, built straight on ``device`` in ``dtype``.
 
     TTS special ids follow ``tts_tokenizer_dir`` (the golden ChatTTS tokenizer) so its text
     layout is valid; everything else is the official size. ``clip_encoder``: the audio-in
-    path too (Whisper-medium encoder and projection, for voice cloning).
+    path too (Whisper-medium encoder and projection, for voice cloning). ``quantization``
+    (an effective mode, see quantization.py) is applied to each LLM decoder layer as soon as
+    it is built, so the whole bf16 LLM never sits on the device at once.
     """
     from transformers import BertTokenizerFast
+
+    from .quantization import quantize_decoder_layer
 
     from .audio_in import ClipEncoder
     from .codec import SpeechDecoder
@@ -135,18 +139,28 @@ def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.devic
         llm = QwenLM(config.llm, config.vocab_size)
         tts_model = SpeechTokenModel(config.tts, config.tts_shape())
         audio = ClipEncoder(config.audio, config.llm.hidden_size) if clip_encoder else None
-    for module in (llm, tts_model, audio):
-        if module is None:
-            continue
-        module.to_empty(device=device)
-        for name, param in module.named_parameters():
+    def fill_random(module: torch.nn.Module, prefix: str = "") -> None:
+        module.to(dtype).to_empty(device=device)
+        for name, param in module.named_parameters(prefix=prefix):
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.data.fill_(1.0)
             elif name.endswith("bias"):
                 param.data.zero_()
             else:
                 param.data.normal_(0.0, 0.02)
-        module.to(dtype).eval()
+
+    for index, layer in enumerate(llm.model.layers):
+        fill_random(layer, f"model.layers.{index}")
+        quantize_decoder_layer(layer, quantization, dtype)
+    for name in ("embed_tokens", "norm"):
+        fill_random(getattr(llm.model, name), f"model.{name}")
+    fill_random(llm.lm_head, "lm_head")
+    for module in (tts_model, audio):
+        if module is not None:
+            fill_random(module)
+    for module in (llm, tts_model, audio):
+        if module is not None:
+            module.eval()
     decoder = SpeechDecoder().to(device).eval()
     return LoadedModel(config, llm, tts_model, decoder, word_level_tokenizer(config.vocab_size),
                        tts_tokenizer, Path(tts_tokenizer_dir), audio)

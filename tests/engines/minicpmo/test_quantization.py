@@ -15,11 +15,23 @@ from safetensors.torch import save_file
 
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.gptq import GPTQConfig, unpack_int4
-from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend
+from serve_app.engines.minicpmo.gptq import (
+    GPTQConfig,
+    dequantize_gptq_linear,
+    gptq_int4_weight,
+    unpack_int4,
+)
+from serve_app.engines.minicpmo.layers import (
+    SlotKVCache,
+    StepInputs,
+    causal_attend,
+    fuse_projections,
+)
 from serve_app.engines.minicpmo.loader import load_speech_model
 from serve_app.engines.minicpmo.quantization import (
+    Int4Weight,
     QuantizationUnavailableError,
+    quantize_llm,
     require_backend,
 )
 
@@ -159,6 +171,65 @@ def test_gptq_config_from_quantize_config_or_config_json(tmp_path):
         GPTQConfig.from_checkpoint(tmp_path)
 
 
+def test_gptq_codes_reach_the_int4_kernel_as_stored_unless_act_order():
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(3))
+    config = GPTQConfig(bits=4, group_size=GROUP_SIZE)
+    in_order = gptq_tensors("w", rtn_quantize(weight, GROUP_SIZE, torch.arange(64)))
+    parts = {key.rpartition(".")[2]: tensor for key, tensor in in_order.items()}
+    int4 = gptq_int4_weight(parts, config)
+    assert int4 is not None and int4.codes.dtype == torch.uint8 and int4.shape == (24, 64)
+    assert int4.scales.shape == int4.zeros.shape == (24, 64 // GROUP_SIZE)
+    # the kernel's (code - zero) * scale is exactly the dense GPTQ weight
+    assert torch.equal(int4.dequantize(torch.float32),
+                       dequantize_gptq_linear(parts, config, torch.float32))
+    act_order = gptq_tensors("w", rtn_quantize(weight, GROUP_SIZE, torch.randperm(64)))
+    assert gptq_int4_weight({k.rpartition(".")[2]: t for k, t in act_order.items()}, config) is None
+
+
+def test_int4_quantization_rounds_to_the_nearest_of_sixteen_levels_per_group():
+    weight = torch.randn(8, 256, generator=torch.Generator().manual_seed(5)) * 0.02
+    int4 = Int4Weight.quantize(weight, group_size=128)
+    assert int4.codes.max() <= 15 and int4.codes.min() == 0
+    error = (int4.dequantize(torch.float32) - weight).abs()
+    step = int4.scales.repeat_interleave(128, dim=1)
+    assert (error <= step / 2 + 1e-7).all()
+    grouped = weight.reshape(8, 2, 128)
+    lows = int4.dequantize(torch.float32).reshape(8, 2, 128).amin(-1)
+    torch.testing.assert_close(lows, grouped.amin(-1))  # a group's extremes are levels
+    fused = Int4Weight.concatenate([int4, Int4Weight.quantize(weight[:3], 128)])
+    assert fused.shape == (11, 256)
+    assert torch.equal(fused.dequantize(torch.float32)[8:], int4.dequantize(torch.float32)[:3])
+
+
+def test_torchao_quantization_of_a_fused_model_quantizes_what_it_runs(tiny_checkpoint):
+    """Quantizing after q/k/v and gate/up were fused (as a benchmark quantizes a model an engine
+    already ran) must run the quantized weights, not the fused float copy."""
+    pytest.importorskip("torchao")
+    before = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32,
+                               quantization="int8")
+    after = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    fuse_projections(after.llm)
+    assert after.llm.model.layers[0].self_attn.fused_qkv is not None
+    quantize_llm(after.llm, "int8")
+    torch.testing.assert_close(speaker_hidden(after), speaker_hidden(before), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GemLite's int4 kernels run on CUDA")
+def test_int4_kernel_matches_its_dequantized_weight_on_cuda():
+    pytest.importorskip("gemlite")
+    from serve_app.engines.minicpmo.quantization import gemlite_linear
+
+    weight = torch.randn(512, 1024, device="cuda") * 0.02
+    int4 = Int4Weight.quantize(weight)
+    bias = torch.randn(512, device="cuda")
+    linear = gemlite_linear(int4, bias, torch.bfloat16)
+    dense = int4.dequantize(torch.bfloat16)
+    for rows in (1, 8, 64, 300):
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+        reference = (x.float() @ dense.float().t() + bias).float()
+        assert ((linear(x).float() - reference).norm() / reference.norm()) < 1e-2, rows
+
+
 # ---- the official int4 layout end to end ---------------------------------------------------
 
 def test_int4_checkpoint_dequantizes_exactly_and_speaks(tiny_checkpoint, int4_checkpoint):
@@ -209,8 +280,12 @@ def test_missing_torchao_is_a_clear_error_and_cpu_int4_needs_none(monkeypatch):
     with pytest.raises(QuantizationUnavailableError, match=r"\[quant\]"):
         require_backend("int8", torch.device("cpu"))
     with pytest.raises(QuantizationUnavailableError, match="torchao"):
+        require_backend("int4-tinygemm", torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "gemlite", None)
+    monkeypatch.setitem(sys.modules, "gemlite.core", None)
+    with pytest.raises(QuantizationUnavailableError, match=r"gemlite.*\[gpu\]"):
         require_backend("int4", torch.device("cuda"))
-    require_backend("int4", torch.device("cpu"))  # dequantized weights; no torchao needed
+    require_backend("int4", torch.device("cpu"))  # dequantized weights; no library needed
     require_backend("none", torch.device("cuda"))
 
 
