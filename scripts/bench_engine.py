@@ -55,6 +55,7 @@ from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
 from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend  # noqa: E402
 from serve_app.engines.minicpmo.quantization import QUANTIZATION_MODES, quantize_llm  # noqa: E402
+from scripts.roofline import GPUS, ModelSizes, roofline, tensor_bytes  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
     random_speech_model,
     synthetic_voice_clip,
@@ -209,78 +210,6 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     summary["sample_request"] = results[0]
     print(json.dumps({k: v for k, v in summary.items() if k != "sample_request"}), flush=True)
     return summary
-
-
-def tensor_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Bytes of a module's tensors as stored (quantized tensors by their parts), less ``skip``."""
-    total = 0
-    for name, tensor in module.state_dict().items():
-        if name.startswith(skip):
-            continue
-        inner = [getattr(tensor, part) for part in getattr(tensor, "tensor_data_names", [])]
-        total += sum(t.numel() * t.element_size() for t in (inner or [tensor]))
-    return total
-
-
-def kv_bytes_per_position(shape, element_size: int) -> int:
-    """Keys and values of one cache position of one row, all layers."""
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * element_size
-
-
-# Phases of the engine step (StepLoop._phase) and what each asks of the device; "schedule" is
-# host work only.
-PHASE_WORK = {"admit_prefill": "LLM prefill of admitted prompts",
-              "llm_decode": "batched LLM decode steps (chat text)",
-              "tts_prefill": "TTS text and carried-segment prefills",
-              "tts_step": "audio windows (TTS decode steps)",
-              "decode_emit": "DVAE + Vocos decode of finished pieces"}
-
-
-def phase_bytes(model, work: dict[str, int]) -> dict[str, float]:
-    """Bytes each phase must move for ``work`` (ModelRunner.work counts): every weight once per
-    device call (per frame step for audio windows), and the key and value positions attention
-    read. Embedding tables are left out (a step reads only its rows); prefill activations and
-    the caches' writes are small beside these and left out too."""
-    element = next(model.tts.parameters()).element_size()
-    tts_weights = tensor_bytes(model.tts, ("emb_text", "emb_code"))
-    llm_weights = tensor_bytes(model.llm, ("model.embed_tokens",))
-    tts_kv = kv_bytes_per_position(model.config.tts_shape(), element)
-    llm_kv = kv_bytes_per_position(model.config.llm, element)
-    decoder_weights = tensor_bytes(model.decoder) if isinstance(model.decoder, torch.nn.Module) else 0
-    get = lambda key: work.get(key, 0)  # noqa: E731
-    return {
-        "admit_prefill": get("llm_prefill_passes") * llm_weights + get("llm_prefill_tokens") * llm_kv,
-        "llm_decode": get("llm_steps") * llm_weights + get("llm_key_reads") * llm_kv,
-        "tts_prefill": ((get("text_prefill_passes") + get("carry_prefills")) * tts_weights
-                        + get("text_prefill_key_reads") * tts_kv),
-        "tts_step": get("audio_frame_steps") * tts_weights + get("audio_key_reads") * tts_kv,
-        "decode_emit": get("decode_calls") * decoder_weights,
-    }
-
-
-def roofline(model, work: dict[str, int], steps: int, phase_ms: dict[str, float],
-             busy_ms_per_step: float, peak_bytes_s: float | None) -> dict:
-    """Per phase: GB moved per engine step, and (with phase times) the bandwidth that achieves
-    beside the GPU's peak, as gpt-fast prints it; plus the whole step's."""
-    moved = phase_bytes(model, work)
-    phases = {}
-    for phase, total in moved.items():
-        entry = {"does": PHASE_WORK[phase], "gb_per_step": round(total / max(steps, 1) / 1e9, 4)}
-        ms = phase_ms.get(phase)
-        if ms:
-            rate = total / max(steps, 1) / (ms / 1000)
-            entry.update(ms_per_step=ms, tb_per_s=round(rate / 1e12, 3),
-                         peak_fraction=round(rate / peak_bytes_s, 3) if peak_bytes_s else None)
-        phases[phase] = entry
-    whole = sum(moved.values()) / max(steps, 1)
-    step_rate = whole / (busy_ms_per_step / 1000) if busy_ms_per_step else None
-    return {"phases": phases,
-            "work_per_step": {k: round(v / max(steps, 1), 2) for k, v in sorted(work.items())},
-            "gb_per_step": round(whole / 1e9, 4),
-            "step_tb_per_s": round(step_rate / 1e12, 3) if step_rate else None,
-            "step_peak_fraction": (round(step_rate / peak_bytes_s, 3)
-                                   if step_rate and peak_bytes_s else None),
-            "peak_tb_per_s": peak_bytes_s / 1e12 if peak_bytes_s else None}
 
 
 def git_commit() -> str:
@@ -579,10 +508,12 @@ def main() -> None:
     for mode in args.modes:
         result["single_stream"][mode], result["max_realtime_streams"][mode] = headline(sweep, mode)
     result["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-    peak_bw = {"h100": 3.35e12, "h200": 4.8e12}.get(gpu_tag)
+    sizes = ModelSizes.of(model)
+    result["model_sizes"] = sizes.as_dict()
     for row in sweep:
-        row["roofline"] = roofline(model, row.pop("device_work"), row["engine_steps"],
-                                   row["phase_ms_per_step"], row["busy_ms_per_step"], peak_bw)
+        row["roofline"] = roofline(sizes, row.pop("device_work"), row["engine_steps"],
+                                   row["phase_ms_per_step"], row["busy_ms_per_step"],
+                                   GPUS.get(gpu_tag))
     if "baseline_sequential_eager" in result:
         ratios = {}
         for mode in args.modes:

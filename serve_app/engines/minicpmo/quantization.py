@@ -20,8 +20,10 @@ an A10G can afford. The TTS, DVAE and Vocos are never touched.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -54,13 +56,27 @@ def _torchao_config(mode: str):
     return Int8WeightOnlyConfig(set_inductor_config=False)
 
 
+# GPUs GemLite ships no tuned kernel configurations for, and the GPU of the same chip whose
+# configurations they take (otherwise every new shape and row count is autotuned on first use,
+# which can land in the middle of serving). The A10G and the A40 are both GA102 (sm_86).
+SAME_CHIP_CONFIGS = {"a10g": "a40"}
+
+
+@functools.cache
 def _gemlite():
     """GemLite's linear layer class and dtype enum (imported only on CUDA: importing it looks
     up the GPU to pick its tuned configurations)."""
     try:
+        import gemlite
         from gemlite.core import DType, GemLiteLinearTriton
     except ImportError as error:
         raise _unavailable("int4", "gemlite", "gpu") from error
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    for gpu, same_chip in SAME_CHIP_CONFIGS.items():
+        if gpu in name:
+            configs = Path(gemlite.__file__).parent / "configs" / f"{same_chip}.json"
+            if GemLiteLinearTriton.load_config(str(configs), print_error=False):
+                logger.info("GemLite: %s kernel configurations for the %s", same_chip, gpu)
     return GemLiteLinearTriton, DType
 
 
