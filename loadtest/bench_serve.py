@@ -335,6 +335,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         else []
     ok = [r for r in rows if r["ok"]]
     ttfbs = [r["ttfb_s"] * 1000 for r in ok if r["ttfb_s"] is not None]
+    gaps = [r["longest_gap_s"] * 1000 for r in ok if r.get("longest_gap_s")]
     span = (max(r["start"] + r["total_s"] for r in rows) - min(r["start"] for r in rows)
             if rows else wall)
     result = {
@@ -343,6 +344,8 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "completed": len(ok), "failures": len(rows) - len(ok) + (users - len(rows)),
         "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
         "ttfb_ms_p99": percentile(ttfbs, 99),
+        # each stream's longest wait between two pieces of audio, as bench_engine.py's
+        "longest_gap_ms_p50": percentile(gaps, 50), "longest_gap_ms_p99": percentile(gaps, 99),
         "realtime_share": round(sum(bool(r.get("realtime")) for r in rows) / users, 4),
         "audio_seconds_per_second": round(sum(r["audio_s"] for r in ok) / span, 2),
         "requests_per_s": round(users / span, 3),

@@ -114,6 +114,8 @@ class _Listener(HttpUser):
         started = time.perf_counter()
         request_id = uuid.uuid4().hex  # the service logs it at every hop
         ttfb_s: float | None = None
+        last_piece: float | None = None
+        longest_gap_s = 0.0  # the longest wait between two pieces of audio (spikes)
         ran_dry = False
         error: str | None = None
         status = None
@@ -135,6 +137,9 @@ class _Listener(HttpUser):
                                     ttfb_s = now - started
                                 elif now - started - ttfb_s > audio.audio_s + 1e-3:
                                     ran_dry = True
+                                if last_piece is not None:
+                                    longest_gap_s = max(longest_gap_s, now - last_piece)
+                                last_piece = now
                                 audio.feed(piece)
                     except (RequestException, ValueError) as exc:
                         error = (f"stream broken after {audio.body_bytes} bytes: "
@@ -153,23 +158,26 @@ class _Listener(HttpUser):
             # failure, and Locust drops it too; the records keep it as unfinished.
             self._record(started_at, name, length, None, status, ttfb_s,
                          time.perf_counter() - started, audio, "unfinished when the run ended",
-                         realtime=False, request_id=request_id)
+                         realtime=False, request_id=request_id, longest_gap_s=longest_gap_s)
             raise
         if error is None:
             self._fire("TTFB", name, ttfb_s * 1000)
             self._fire("AUDIO", name, audio.audio_s * 1000)
             self._fire("RTF", name, total_s / audio.audio_s * 1000)
         self._record(started_at, name, length, error is None, status, ttfb_s, total_s, audio,
-                     error, realtime=error is None and not ran_dry, request_id=request_id)
+                     error, realtime=error is None and not ran_dry, request_id=request_id,
+                     longest_gap_s=longest_gap_s)
 
     def _record(self, started_at: float, name: str, length: str, ok: bool | None,
                 status: int | None, ttfb_s: float | None, total_s: float, audio: AudioCounter,
-                error: str | None, realtime: bool, request_id: str | None = None) -> None:
+                error: str | None, realtime: bool, request_id: str | None = None,
+                longest_gap_s: float | None = None) -> None:
         runner = self.environment.runner
         RECORDS.write({
             "request_id": request_id, "start": started_at, "route": name, "length": length, "ok": ok, "status": status,
             "ttfb_s": ttfb_s, "total_s": total_s, "audio_s": audio.audio_s,
             "bytes": audio.body_bytes, "error": error, "realtime": realtime,
+            "longest_gap_s": longest_gap_s,
             "users": runner.user_count if runner else None,
         })
 

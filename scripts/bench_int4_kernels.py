@@ -117,6 +117,26 @@ def time_call(fn, x: torch.Tensor, calls: int, trials: int) -> float:
     return statistics.median(times)
 
 
+def measure_candidate(candidate: str, name: str, weight: torch.Tensor, outs: list[int],
+                      probe: torch.Tensor, reference: torch.Tensor, args, rows: list[dict],
+                      generator: torch.Generator) -> None:
+    fn, weight_bytes = build(candidate, weight)
+    in_features = weight.shape[1]
+    with torch.inference_mode():
+        error = float((fn(probe).float() - reference).norm() / reference.norm())
+        for m in args.rows:
+            x = torch.randn(m, in_features, device=weight.device, generator=generator).to(torch.bfloat16)
+            us = time_call(fn, x, args.calls, args.trials)
+            moved = weight_bytes + 2 * m * (in_features + sum(outs))
+            row = {"shape": name, "n": sum(outs), "k": in_features, "m": m,
+                   "candidate": candidate, "us": round(us, 2), "weight_bytes": weight_bytes,
+                   "tb_per_s": round(moved / us / 1e6, 3),
+                   "tflop_per_s": round(2 * m * in_features * sum(outs) / us / 1e6, 2),
+                   "rel_error": error}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
 def kernel_table(args, device: torch.device) -> list[dict]:
     hopper = torch.cuda.get_device_capability(device) >= (9, 0)
     candidates = [c for c in args.candidates if c != "fp8-rowwise" or hopper]
@@ -128,26 +148,12 @@ def kernel_table(args, device: torch.device) -> list[dict]:
         probe = torch.randn(8, in_features, device=device, generator=generator).to(torch.bfloat16)
         reference = F.linear(probe, weight).float()
         for candidate in candidates:
-            try:
-                fn, weight_bytes = build(candidate, weight)
-            except Exception as error:  # a kernel missing on this GPU is a row, not a crash
+            try:  # a kernel missing or failing on this GPU is a row, not a crash
+                measure_candidate(candidate, name, weight, outs, probe, reference, args, rows,
+                                  generator)
+            except Exception as error:
                 rows.append({"shape": name, "candidate": candidate, "error": repr(error)})
                 print(f"{name} {candidate}: {error!r}", flush=True)
-                continue
-            with torch.inference_mode():
-                error = float((fn(probe).float() - reference).norm() / reference.norm())
-                for m in args.rows:
-                    x = torch.randn(m, in_features, device=device, generator=generator).to(torch.bfloat16)
-                    us = time_call(fn, x, args.calls, args.trials)
-                    moved = weight_bytes + 2 * m * (in_features + sum(outs))
-                    row = {"shape": name, "n": sum(outs), "k": in_features, "m": m,
-                           "candidate": candidate, "us": round(us, 2), "weight_bytes": weight_bytes,
-                           "tb_per_s": round(moved / us / 1e6, 3),
-                           "tflop_per_s": round(2 * m * in_features * sum(outs) / us / 1e6, 2),
-                           "rel_error": error}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-            del fn
             torch.cuda.empty_cache()
     return rows
 

@@ -62,22 +62,27 @@ def _torchao_config(mode: str):
 SAME_CHIP_CONFIGS = {"a10g": "a40"}
 
 
-@functools.cache
 def _gemlite():
     """GemLite's linear layer class and dtype enum (imported only on CUDA: importing it looks
     up the GPU to pick its tuned configurations)."""
     try:
-        import gemlite
         from gemlite.core import DType, GemLiteLinearTriton
     except ImportError as error:
         raise _unavailable("int4", "gemlite", "gpu") from error
+    _load_same_chip_configs(GemLiteLinearTriton)
+    return GemLiteLinearTriton, DType
+
+
+@functools.cache
+def _load_same_chip_configs(linear_class) -> None:
+    import gemlite
+
     name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
     for gpu, same_chip in SAME_CHIP_CONFIGS.items():
         if gpu in name:
             configs = Path(gemlite.__file__).parent / "configs" / f"{same_chip}.json"
-            if GemLiteLinearTriton.load_config(str(configs), print_error=False):
+            if linear_class.load_config(str(configs), print_error=False):
                 logger.info("GemLite: %s kernel configurations for the %s", same_chip, gpu)
-    return GemLiteLinearTriton, DType
 
 
 def check_mode(mode: str) -> str:
@@ -164,6 +169,32 @@ def gemlite_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.d
                 weight.zeros.to(dtype).contiguous(),
                 bias=None if bias is None else bias.detach().to(dtype), fma_mode=False)
     return linear
+
+
+def warm_up_int4_kernels(module: nn.Module, max_rows: int = 4096) -> int:
+    """Run each int4 matmul shape in ``module`` once per row-count bucket GemLite keys its
+    kernels by (up to ``max_rows``), so Triton compiles them (and autotunes those it has no
+    tuned configuration for) at start, not in the middle of serving, where every stream would
+    wait for it. Returns how many calls that took (0 without int4 layers)."""
+    if not any(type(m).__module__.startswith("gemlite") for m in module.modules()):
+        return 0
+    linear_class, _ = _gemlite()
+    from gemlite.triton_kernels.utils import get_closest_m
+
+    shapes: dict[tuple[int, int], nn.Module] = {}
+    for layer in module.modules():
+        if isinstance(layer, linear_class):
+            shapes.setdefault((layer.in_features, layer.out_features), layer)
+    buckets = sorted({get_closest_m(rows) for rows in range(1, max_rows + 1)})
+    calls = 0
+    with torch.inference_mode():
+        for linear in shapes.values():
+            for rows in buckets:
+                linear(torch.zeros(rows, linear.in_features, dtype=linear.compute_dtype,
+                                   device=linear.W_q.device))
+                calls += 1
+    torch.cuda.synchronize()
+    return calls
 
 
 def _int4_of(linear: nn.Linear, name: str, given: dict[str, Int4Weight] | None) -> Int4Weight:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ from .llm_step import (
 )
 from .loader import LoadedModel
 from .options import EngineOptions, clones_voices
+from .quantization import warm_up_int4_kernels
 from .speech_schedule import TextPrefill
 from .voices import VoicePrefix, VoiceTurn, prefix_length
 
@@ -78,6 +80,22 @@ class ModelRunner:
             fuse_projections(model.llm)
         set_one_query_attention(model.tts, options.one_query_attention)
         set_one_query_attention(model.llm, options.one_query_attention)
+        if self.device.type == "cuda":
+            self._warm_up_int4(model)
+
+    @staticmethod
+    def _warm_up_int4(model: LoadedModel) -> None:
+        """Compile the int4 kernels for every row count now (quantization.py); a failure here
+        only leaves them to compile on first use."""
+        started = time.perf_counter()
+        try:
+            calls = warm_up_int4_kernels(model.llm)
+        except Exception:  # an optimisation: serving works without it
+            logger.exception("int4 kernel warm-up failed; kernels compile on first use")
+            return
+        if calls:
+            logger.info("int4 kernels warmed up: %d calls in %.1f s", calls,
+                        time.perf_counter() - started)
 
     def clear_tts_slot(self, slot: int) -> None:
         """Forget the text part of a slot's TTS cache (a new stream or a new segment)."""

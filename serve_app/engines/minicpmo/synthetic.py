@@ -121,12 +121,11 @@ def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.devic
     """
     from transformers import BertTokenizerFast
 
-    from .quantization import quantize_decoder_layer
-
     from .audio_in import ClipEncoder
     from .codec import SpeechDecoder
     from .loader import LoadedModel
     from .modeling import ModelConfig, QwenLM, SpeechTokenModel
+    from .quantization import quantize_decoder_layer
 
     tts_tokenizer = BertTokenizerFast.from_pretrained(str(tts_tokenizer_dir))
     tts = dict(REAL_TTS_CONFIG, spk_emb_token_id=tts_tokenizer.convert_tokens_to_ids("[spk_emb]"),
@@ -139,6 +138,7 @@ def random_speech_model(tts_tokenizer_dir: str | Path, device: str | torch.devic
         llm = QwenLM(config.llm, config.vocab_size)
         tts_model = SpeechTokenModel(config.tts, config.tts_shape())
         audio = ClipEncoder(config.audio, config.llm.hidden_size) if clip_encoder else None
+
     def fill_random(module: torch.nn.Module, prefix: str = "") -> None:
         module.to(dtype).to_empty(device=device)
         for name, param in module.named_parameters(prefix=prefix):
