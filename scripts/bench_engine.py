@@ -53,7 +53,12 @@ sys.path.insert(0, str(ROOT))
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
-from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend  # noqa: E402
+from serve_app.engines.minicpmo.layers import (  # noqa: E402
+    ONE_QUERY_KERNELS,
+    SlotKVCache,
+    StepInputs,
+    causal_attend,
+)
 from serve_app.engines.minicpmo.quantization import QUANTIZATION_MODES, quantize_llm  # noqa: E402
 from scripts.roofline import GPUS, ModelSizes, roofline, tensor_bytes  # noqa: E402
 from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
@@ -423,7 +428,7 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--steps-per-sync", type=int, default=EngineOptions.steps_per_sync,
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
-    parser.add_argument("--one-query-attention", choices=["sdpa", "matmul"],
+    parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "

@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=1024, help="cache positions per slot")
     parser.add_argument("--position", type=int, default=600, help="where every row is")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul"],
+    parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul", "flex"],
                         help="one-query attention kernels to compare (layers.set_one_query_attention)")
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
     parser.add_argument("--out", default=None)

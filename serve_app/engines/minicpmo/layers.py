@@ -11,6 +11,7 @@ is a plain ``load_state_dict``.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -164,18 +165,21 @@ class SlotAttention(nn.Module):
             row_keys, row_values = keys[step.rows], values[step.rows]
         if seq == 1 and self.one_query_kernel == "matmul":
             out = one_query_attention(q, row_keys, row_values, step.attend)
+        elif seq == 1 and self.one_query_kernel == "flex":
+            out = flex_one_query_attention(q, row_keys, row_values, step.attend)
         else:
             out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=step.attend,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-ONE_QUERY_KERNELS = ("sdpa", "matmul")
+ONE_QUERY_KERNELS = ("sdpa", "matmul", "flex")
 
 
 def set_one_query_attention(model: nn.Module, kernel: str) -> None:
     """Choose how the decoders in ``model`` attend for one query per row (decode steps):
-    ``sdpa`` (torch's fused kernels) or ``matmul`` (:func:`one_query_attention`)."""
+    ``sdpa`` (torch's fused kernels), ``matmul`` (:func:`one_query_attention`) or ``flex``
+    (:func:`flex_one_query_attention`: only the key blocks a row can see are read)."""
     if kernel not in ONE_QUERY_KERNELS:
         raise ValueError(f"one-query attention must be one of {ONE_QUERY_KERNELS}, not {kernel!r}")
     for module in model.modules():
@@ -195,6 +199,59 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores = scores.masked_fill(~attend, float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
     return torch.matmul(probs, values).reshape(batch, heads, 1, dim)
+
+
+FLEX_KEY_BLOCK = 128  # keys per block of the flex block mask (FlexAttention's default)
+
+
+@functools.cache
+def _flex_attention():
+    """FlexAttention, compiled where it runs as a fused kernel (CUDA); on CPU its eager form
+    (every score materialized: the reference the tests compare with)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.cuda.is_available():
+        return torch.compile(flex_attention, dynamic=True)
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
+                            category=UserWarning)
+    return flex_attention
+
+
+def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
+    """The FlexAttention block mask of one query per row that sees the keys ``attend``
+    [B, 1, 1, T] marks: blocks a row sees wholly are read without a mask, blocks it sees in
+    part with it, and the rest not at all. Built with tensor ops only (a CUDA graph can hold it)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, length = attend.shape[0], attend.shape[-1]
+    count = -(-length // block)
+    visible = F.pad(attend.reshape(batch, length), (0, count * block - length))
+    grouped = visible.view(batch, count, block)
+    seen, whole = grouped.any(dim=-1), grouped.all(dim=-1)
+    partial = seen & ~whole
+
+    def listed(wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort((~wanted).to(torch.int8), dim=-1, stable=True)  # wanted first
+        return (wanted.sum(dim=-1).to(torch.int32)[:, None, None],
+                order.to(torch.int32)[:, None, None, :])
+
+    def mask_mod(b, h, q_index, kv_index):
+        return visible[b, kv_index]
+
+    partial_count, partial_index = listed(partial)
+    whole_count, whole_index = listed(whole)
+    return BlockMask.from_kv_blocks(partial_count, partial_index, whole_count, whole_index,
+                                    BLOCK_SIZE=(1, block), mask_mod=mask_mod,
+                                    seq_lengths=(1, length), compute_q_blocks=False)
+
+
+def flex_one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             attend: torch.Tensor) -> torch.Tensor:
+    """Attention of one query per row (shapes as :func:`one_query_attention`) with
+    FlexAttention over :func:`visible_blocks`: a row reads only the key blocks it can see, not
+    the whole span the batch shares."""
+    return _flex_attention()(q, keys, values, block_mask=visible_blocks(attend),
+                             enable_gqa=q.shape[1] != keys.shape[1])
 
 
 def _plain_linears(linears: tuple[nn.Module, ...]) -> bool:

@@ -36,7 +36,7 @@ class EngineOptions:
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
-    one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul (layers.py)
+    one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     quantization: str = "none"  # LLM decoder linears: none | int8 | int4 | int4-tinygemm (`quant` extra)

@@ -1,4 +1,5 @@
-"""Decode-step attention: the two-matmul kernel agrees with torch's fused attention."""
+"""Decode-step attention: the two-matmul kernel and the block-sparse FlexAttention kernel agree
+with torch's fused attention."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_app.engines.minicpmo.layers import one_query_attention
+from serve_app.engines.minicpmo.layers import (
+    flex_one_query_attention,
+    one_query_attention,
+    visible_blocks,
+)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(12, 12), (28, 4)])
@@ -23,4 +28,28 @@ def test_one_query_attention_matches_fused_attention(heads, kv_heads):
     want = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend,
                                           enable_gqa=heads != kv_heads)
     got = one_query_attention(q, keys, values, attend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(12, 12), (28, 4)])
+def test_flex_attention_reads_only_the_blocks_a_row_sees_and_matches_fused_attention(heads, kv_heads):
+    generator = torch.Generator().manual_seed(heads)
+    batch, positions, dim, block = 4, 700, 16, 128  # 6 blocks, the last one partial
+    q = torch.randn(batch, heads, 1, dim, generator=generator)
+    keys = torch.randn(batch, kv_heads, positions, dim, generator=generator)
+    values = torch.randn(batch, kv_heads, positions, dim, generator=generator)
+    index = torch.arange(positions)
+    # a short row, a row with a hole across a block edge, a full row, and an inactive row
+    # that sees key 0 only
+    attend = torch.stack([index <= 90,
+                          (index <= 650) & ~((index > 100) & (index < 300)),
+                          index < positions,
+                          index == 0])[:, None, None, :]
+    mask = visible_blocks(attend, block)
+    read = mask.kv_num_blocks[:, 0, 0] + mask.full_kv_num_blocks[:, 0, 0]
+    assert read.tolist() == [1, 5, 6, 1]  # row 1 skips block 1 (keys 128-255), hidden whole
+    assert mask.full_kv_num_blocks[:, 0, 0].tolist() == [0, 2, 5, 0]  # row 1: blocks 3 and 4
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend,
+                                          enable_gqa=heads != kv_heads)
+    got = flex_one_query_attention(q, keys, values, attend)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
