@@ -205,16 +205,16 @@ FLEX_KEY_BLOCK = 128  # keys per block of the flex block mask (FlexAttention's d
 
 
 @functools.cache
-def _flex_attention():
-    """FlexAttention, compiled where it runs as a fused kernel (CUDA); on CPU its eager form
-    (every score materialized: the reference the tests compare with)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+def _flex_kernel():
+    """:func:`_flex_one_query` compiled where FlexAttention runs as a fused kernel (CUDA); the
+    block mask is built inside the compiled function, so a new mask each step is new data, not
+    new code (compiled once per shape, then with the changing sizes made dynamic, torch's
+    default). On CPU the eager form (every score materialized: the reference the tests use)."""
     if torch.cuda.is_available():
-        return torch.compile(flex_attention, dynamic=True)
+        return torch.compile(_flex_one_query)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
                             category=UserWarning)
-    return flex_attention
+    return _flex_one_query
 
 
 def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
@@ -245,13 +245,20 @@ def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
                                     seq_lengths=(1, length), compute_q_blocks=False)
 
 
+def _flex_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    attend: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, keys, values, block_mask=visible_blocks(attend),
+                          enable_gqa=q.shape[1] != keys.shape[1])
+
+
 def flex_one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              attend: torch.Tensor) -> torch.Tensor:
     """Attention of one query per row (shapes as :func:`one_query_attention`) with
     FlexAttention over :func:`visible_blocks`: a row reads only the key blocks it can see, not
     the whole span the batch shares."""
-    return _flex_attention()(q, keys, values, block_mask=visible_blocks(attend),
-                             enable_gqa=q.shape[1] != keys.shape[1])
+    return _flex_kernel()(q, keys, values, attend)
 
 
 def _plain_linears(linears: tuple[nn.Module, ...]) -> bool:
