@@ -257,7 +257,7 @@ def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None
     config has one; True: it must).
 
     The checkpoint may be the bf16 one or the GPTQ int4 one (``openbmb/MiniCPM-o-2_6-int4``);
-    ``quantization`` (``none | int8 | int4``) applies to the LLM's decoder linears.
+    ``quantization`` (``none | int8 | int4 | int4-tinygemm``) applies to the LLM's decoder linears.
     """
     device = torch.device(device)
     require_backend(quantization, device)  # a missing torchao fails before any download
