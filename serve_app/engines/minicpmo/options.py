@@ -39,7 +39,7 @@ class EngineOptions:
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
-    quantization: str = "none"  # LLM decoder linears: none | int8 | int4 | int4-tinygemm (quantization.py)
+    quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
     # smaller GPU would: the A10G profile's 22 leaves an A10G's CUDA context room
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
