@@ -205,9 +205,10 @@ def _int4_of(linear: nn.Linear, name: str, given: dict[str, Int4Weight] | None) 
 
 def _bias_of(linears: list[nn.Linear]) -> torch.Tensor | None:
     biases = [linear.bias for linear in linears]
-    if all(b is None for b in biases):
+    present = [b for b in biases if b is not None]
+    if not present:
         return None
-    return torch.cat([b.detach() if b is not None else b.new_zeros(linear.out_features)
+    return torch.cat([b.detach() if b is not None else present[0].new_zeros(linear.out_features)
                       for b, linear in zip(biases, linears)])
 
 
