@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from serve_app.engines.minicpmo.quantization import INT4_GROUP_SIZE
+from serve_app.engines.minicpmo.quantization import INT4_GROUP_SIZE, is_int4_linear
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class ModelSizes:
             tts_attention_flops_per_key=attention_flops_per_key(tts_shape),
             decoder_weight_bytes=tensor_bytes(decoder) if decoder is not None else 0,
             decoder_flops_per_frame=decoder_flops,
-            llm_weights="int4" if any("W_q" in n for n, _ in model.llm.named_parameters()) else "dense")
+            llm_weights="int4" if any(is_int4_linear(m) for m in model.llm.modules()) else "dense")
 
     def with_int4_llm(self) -> "ModelSizes":
         """The same model with its LLM decoder linears in int4 (``quantization: int4``): half a

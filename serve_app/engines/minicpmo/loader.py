@@ -177,8 +177,8 @@ def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch
     """The LLM from ``llm.*``: dense weights, or GPTQ int4 linears; then, layer by layer,
     quantized as ``quantization`` asks (see :mod:`.quantization`).
 
-    GPTQ linears go to the int4 kernel as they are stored when it runs (``int4`` on CUDA) and
-    their groups allow it; otherwise they are dequantized to ``dtype`` first."""
+    GPTQ linears go to the int4 kernel as they are stored under ``int4`` when their groups
+    allow it; otherwise they are dequantized to ``dtype`` first."""
     mode = effective_mode(quantization, device)
     if mode != quantization:
         logger.warning("quantization %s has no kernel on %s: running dequantized %s weights",

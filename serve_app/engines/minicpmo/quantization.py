@@ -6,10 +6,13 @@ Ampere and Hopper alike). q/k/v and gate/up are quantized as one fused weight ea
 decoder layer runs four int4 matmuls, whose shapes GemLite ships tuned configurations for
 (Qwen2-7B's). An official GPTQ checkpoint's codes, scales and zeros go straight into the kernel's
 layout (:func:`gemlite_linear`), with no dense round trip.
+On CPU ``int4`` runs the same weights through PyTorch's own CPU int4 matmul
+(``_weight_int4pack_mm_for_cpu``, :class:`CpuInt4Linear`), so the whole int4 path, GPTQ codes
+included, runs in the CPU tests too.
 ``int4-tinygemm``: torchao's ``Int4WeightOnlyConfig(group_size=128)`` in the
 ``tile_packed_to_4d`` layout, PyTorch's own tinygemm kernel (``_weight_int4pack_mm``); fast for
 one row, several times slower than bf16 for the batched prefill and decode (kept to compare).
-CPU has no kernel for either, so there int4 keeps the (dequantized) weights in the compute dtype.
+It has no CPU kernel here, so on CPU it keeps the (dequantized) weights in the compute dtype.
 ``int8``: torchao's ``Int8WeightOnlyConfig`` (per output row), on any device.
 
 What is quantized: every ``nn.Linear`` of the decoder layers (q/k/v/o, gate/up/down). Not the
@@ -92,9 +95,11 @@ def check_mode(mode: str) -> str:
 
 
 def effective_mode(mode: str, device: torch.device) -> str:
-    """What ``mode`` becomes on ``device``: int4 runs dequantized where it has no kernel."""
+    """What ``mode`` becomes on ``device``: int4 runs dequantized where it has no kernel
+    (``int4`` has one on CUDA and CPU, ``int4-tinygemm`` on CUDA only)."""
     check_mode(mode)
-    if mode.startswith("int4") and torch.device(device).type != "cuda":
+    kind = torch.device(device).type
+    if mode == "int4" and kind not in ("cuda", "cpu") or mode == "int4-tinygemm" and kind != "cuda":
         return "none"
     return mode
 
@@ -104,7 +109,8 @@ def require_backend(mode: str, device: torch.device) -> None:
     that is missing."""
     effective = effective_mode(mode, device)
     if effective == "int4":
-        _gemlite()
+        if torch.device(device).type == "cuda":
+            _gemlite()
     elif effective != "none":
         _torchao_config(effective)
 
@@ -154,6 +160,52 @@ class Int4Weight:
         return (expand(self.scales) * (self.codes.float() - expand(self.zeros))).to(dtype)
 
 
+def int4_group_size(in_features: int) -> int:
+    """Groups of :data:`INT4_GROUP_SIZE` inputs, or of 64 or 32 for a linear too narrow for
+    them (the tests' tiny model); both kernels take 32, 64 and 128."""
+    for size in (INT4_GROUP_SIZE, 64, 32):
+        if in_features % size == 0:
+            return size
+    raise ValueError(f"int4 needs a multiple of 32 inputs, not {in_features}")
+
+
+class CpuInt4Linear(nn.Module):
+    """An :class:`Int4Weight` multiplied by PyTorch's own CPU int4 kernel
+    (``_weight_int4pack_mm_for_cpu``: tinygemm's layout, ``W = (q - 8) * scale + zero``, so the
+    zero is stored as ``scale * (8 - zero)``); what ``int4`` runs on CPU."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        scales = weight.scales.t()  # [groups, out]
+        offsets = scales * (8 - weight.zeros.t())
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.codes.to(torch.int32).contiguous(), 1))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, offsets], dim=-1).to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).contiguous(), self.packed, self.group_size,
+            self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def int4_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+    """The int4 matmul for ``weight`` on its device: GemLite on CUDA, PyTorch's kernel on CPU."""
+    if weight.codes.device.type == "cuda":
+        return gemlite_linear(weight, bias, dtype)
+    return CpuInt4Linear(weight, bias, dtype)
+
+
+def is_int4_linear(module: nn.Module) -> bool:
+    return isinstance(module, CpuInt4Linear) or type(module).__module__.startswith("gemlite")
+
+
 def gemlite_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
     """A GemLite int4 linear (a module taking [..., in] activations in ``dtype``) for ``weight``,
     on ``weight``'s device. The kernel computes ``(code - zero) * scale`` with scales and zeros
@@ -177,7 +229,7 @@ def warm_up_int4_kernels(module: nn.Module, max_rows: int = 4096) -> int:
     tuned configuration for) at start, not in the middle of serving, where every stream would
     wait for it. Returns how many calls that took (0 without int4 layers)."""
     if not any(type(m).__module__.startswith("gemlite") for m in module.modules()):
-        return 0
+        return 0  # no GemLite layers (bf16, torchao, or the CPU int4 kernel)
     linear_class, _ = _gemlite()
     from gemlite.triton_kernels.utils import get_closest_m
 
@@ -200,7 +252,7 @@ def warm_up_int4_kernels(module: nn.Module, max_rows: int = 4096) -> int:
 def _int4_of(linear: nn.Linear, name: str, given: dict[str, Int4Weight] | None) -> Int4Weight:
     if given is not None and name in given:
         return given.pop(name)
-    return Int4Weight.quantize(linear.weight, INT4_GROUP_SIZE)
+    return Int4Weight.quantize(linear.weight, int4_group_size(linear.in_features))
 
 
 def _bias_of(linears: list[nn.Linear]) -> torch.Tensor | None:
@@ -214,10 +266,10 @@ def _bias_of(linears: list[nn.Linear]) -> torch.Tensor | None:
 
 def quantize_layer_int4(layer: nn.Module, dtype: torch.dtype,
                         given: dict[str, Int4Weight] | None = None) -> int:
-    """Replace a decoder layer's linears with GemLite int4 matmuls: q/k/v fused, gate/up fused,
-    o and down alone. ``given`` maps linear names (``self_attn.q_proj``) to int4 weights read
-    from a checkpoint; the rest are quantized from their float weights. Returns the number of
-    linears replaced."""
+    """Replace a decoder layer's linears with int4 matmuls (:func:`int4_linear`): q/k/v fused,
+    gate/up fused, o and down alone. ``given`` maps linear names (``self_attn.q_proj``) to int4
+    weights read from a checkpoint; the rest are quantized from their float weights. Returns
+    the number of linears replaced."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = (("self_attn", attn, ("q_proj", "k_proj", "v_proj"), "fused_qkv"),
               ("self_attn", attn, ("o_proj",), "o_proj"),
@@ -227,7 +279,7 @@ def quantize_layer_int4(layer: nn.Module, dtype: torch.dtype,
         linears = [getattr(owner, name) for name in names]
         weight = Int4Weight.concatenate([_int4_of(linear, f"{prefix}.{name}", given)
                                          for linear, name in zip(linears, names)])
-        module = gemlite_linear(weight, _bias_of(linears), dtype)
+        module = int4_linear(weight, _bias_of(linears), dtype)
         for name in names:
             setattr(owner, name, None)
         setattr(owner, target, module)
