@@ -240,6 +240,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             cuda_graphs=not args.no_graphs and max_slots > 1,
                             steps_per_sync=args.steps_per_sync,
                             one_query_attention=args.one_query_attention,
+                            overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             profile_phases=args.profile_phases,
                             voices=model.clip_encoder is not None,
                             max_voices=max(getattr(args, "voices", 0), 1))
@@ -430,6 +431,8 @@ def main() -> None:
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
     parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
+    parser.add_argument("--overlap-llm-step", action="store_true",
+                        help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "
                              "so it slows the engine down; off for headline numbers)")

@@ -113,6 +113,7 @@ class LLMStepGraphs:
         self.keys = [(b, path) for b in self.buckets for path in ("full", "candidates")
                      if path == "full" or b >= CANDIDATE_MIN_ROWS]
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pinned: torch.Tensor | None = None  # tokens of a launched step (see launch)
 
     def _forward(self, index: int) -> torch.Tensor:
         bucket, path = self.keys[index]
@@ -123,21 +124,69 @@ class LLMStepGraphs:
         graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
-    def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
+    def _place(self, slots: list[int], x: LLMStepInputs) -> tuple[int, torch.Tensor, str]:
+        """Write the rows' inputs into the graphs' static inputs (current stream); the bucket,
+        the rows' index and the path to replay first."""
         bucket = next(b for b in self.buckets if b > max(slots))
         index = torch.tensor(slots, device=self.rows.device)
         self.inputs.active[:bucket] = False
         for f in fields(LLMStepInputs):
             getattr(self.inputs, f.name)[index] = getattr(x, f.name).to(self.rows.device)
-        if (bucket, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K:
+        fast = (bucket, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K
+        return bucket, index, "candidates" if fast else "full"
+
+    def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
+        bucket, index, path = self._place(slots, x)
+        if path == "candidates":
             graph, out = self.graphs[(bucket, "candidates")]
             graph.replay()
             tokens = out[index].cpu()
             if bool((tokens >= 0).all()):
                 return tokens
+        return self._replay_full(bucket, index)
+
+    def _replay_full(self, bucket: int, index: torch.Tensor) -> torch.Tensor:
         graph, out = self.graphs[(bucket, "full")]
         graph.replay()
         return out[index].cpu()
+
+    def launch(self, slots: list[int], x: LLMStepInputs, stream: torch.cuda.Stream) -> "LaunchedStep":
+        """Like :meth:`run` without waiting: the inputs are written on the current stream, the
+        graph replays on ``stream`` once they are, and its tokens land in a pinned buffer kept
+        for this (one launch in flight at a time; :meth:`collect` before the next)."""
+        bucket, index, path = self._place(slots, x)
+        if self._pinned is None:
+            self._pinned = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(self.rows.device))
+        with torch.cuda.stream(stream):
+            graph, out = self.graphs[(bucket, path)]
+            graph.replay()
+            host = self._pinned[:len(slots)]
+            host.copy_(out[index], non_blocking=True)  # the gather is made and freed on ``stream``
+            done = torch.cuda.Event()
+            done.record(stream)
+        index.record_stream(stream)  # made on the current stream, read on ``stream``
+        return LaunchedStep(bucket, index, path, host, done)
+
+    def collect(self, launched: "LaunchedStep") -> torch.Tensor:
+        """The launched step's tokens (waits for them); a candidates step with a row that could
+        not be exact is recomputed over the full vocabulary, as :meth:`run` does."""
+        launched.done.synchronize()
+        tokens = launched.host.clone()
+        if launched.path == "candidates" and not bool((tokens >= 0).all()):
+            return self._replay_full(launched.bucket, launched.index)
+        return tokens
+
+
+@dataclass
+class LaunchedStep:
+    """An LLM step in flight on a stream of its own (:meth:`LLMStepGraphs.launch`)."""
+
+    bucket: int
+    index: torch.Tensor
+    path: str
+    host: torch.Tensor
+    done: torch.cuda.Event
 
 
 def llm_prefill(llm: QwenLM, cache: SlotKVCache, ids: torch.Tensor, valid: torch.Tensor,

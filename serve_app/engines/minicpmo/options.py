@@ -34,6 +34,10 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
+    # chat: while audio is generated and no stream waits for text, launch the LLM step before
+    # the audio window and take its tokens after it (on CUDA on a stream of its own, so the
+    # two overlap); off until measured on a GPU (docs/benchmarks/README.md, "overlapped")
+    overlap_llm_step: bool = False
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)

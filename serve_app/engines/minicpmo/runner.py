@@ -192,6 +192,15 @@ class ModelRunner:
                                  torch.tensor(slots, device=self.device), False).cpu()
         return tokens.tolist()
 
+    def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
+        """Start :meth:`llm_step` so that work queued after it may overlap it; :meth:`llm_collect`
+        gives its tokens. Eager, the step runs at once."""
+        self.work.update(llm_launches=1)
+        return self.llm_step(slots, inputs)
+
+    def llm_collect(self, launched: object) -> list[int]:
+        return launched  # type: ignore[return-value]
+
     def _count_llm_step(self, rows: int) -> None:
         self.work.update(llm_steps=1, llm_rows=rows,
                          llm_key_reads=rows * (self.llm_cache.max_positions + 1))
@@ -286,6 +295,7 @@ class GraphModelRunner(ModelRunner):
 
     def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
         super().__init__(model, options, penalty_width)
+        self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window)
         self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device)
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
@@ -316,6 +326,18 @@ class GraphModelRunner(ModelRunner):
         # the graph of the smallest bucket past the highest slot computes every row below it
         self._count_llm_step(next(b for b in self.llm_graphs.buckets if b > max(slots)))
         return self.llm_graphs.run(slots, inputs).tolist()
+
+    def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
+        """The LLM step's graph on a CUDA stream of its own: the audio window queued after it
+        on the current stream runs beside it."""
+        self._count_llm_step(next(b for b in self.llm_graphs.buckets if b > max(slots)))
+        self.work.update(llm_launches=1)
+        if self._llm_stream is None:
+            self._llm_stream = torch.cuda.Stream(self.device)
+        return self.llm_graphs.launch(slots, inputs, self._llm_stream)
+
+    def llm_collect(self, launched: object) -> list[int]:
+        return self.llm_graphs.collect(launched).tolist()  # type: ignore[arg-type]
 
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:

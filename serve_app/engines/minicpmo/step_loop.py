@@ -110,7 +110,9 @@ class StepLoop:
             self._inject_faults()
         self._admit(next(self._step_counter))
         t = self._phase("admit_prefill", t)
-        self._decode_chat_text()
+        launched = self._launch_chat_text()
+        if launched is None:
+            self._decode_chat_text()
         t = self._phase("llm_decode", t)
         self._take_fed_text()
         prefills = [work for stream in self.scheduler.running() for work in self._read_text(stream)]
@@ -127,7 +129,10 @@ class StepLoop:
         for stream in self.scheduler.running():
             if stream.schedule is not None and stream.schedule.phase is Phase.DONE:
                 self._complete(stream)
-        self._phase("decode_emit", t)
+        t = self._phase("decode_emit", t)
+        if launched is not None:
+            self._collect_chat_text(*launched)
+            self._phase("llm_decode", t)
         self.scheduler.count_step(len(generating))
 
     # ---- admission -------------------------------------------------------------------------
@@ -198,13 +203,42 @@ class StepLoop:
 
     # ---- run ---------------------------------------------------------------------------------
 
+    def _chat_text_rows(self) -> list[Stream]:
+        """Chat streams that want their next LLM token: text not done, below the lookahead."""
+        return [s for s in self.scheduler.running()
+                if s.plan.is_chat and not s.text_done and s.llm_slot >= 0
+                and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+
+    def _launch_chat_text(self) -> tuple[list[Stream], object] | None:
+        """With ``overlap_llm_step``: one LLM step launched now and collected after the audio
+        window (:meth:`_collect_chat_text`), when audio is generated this step and no chat
+        stream's speech is waiting for text (those want several steps at once: the plain path)."""
+        if not self.options.overlap_llm_step:
+            return None
+        streams = self._chat_text_rows()
+        if not streams or any(not s.pieces and s.schedule.phase is Phase.WAITING_TEXT
+                              for s in streams):
+            return None
+        if not any(s.schedule is not None and s.schedule.phase is Phase.GENERATING
+                   for s in self.scheduler.running()):
+            return None
+        launched = self.runner.llm_launch([s.llm_slot for s in streams], self.chat.inputs(streams))
+        return streams, launched
+
+    def _collect_chat_text(self, streams: list[Stream], launched: object) -> None:
+        tokens = self.runner.llm_collect(launched)
+        self.scheduler.count(llm_steps=1)
+        running = {id(s) for s in self.scheduler.running()}
+        for stream, token in zip(streams, tokens):
+            stream.llm_len += 1
+            if id(stream) in running and stream.llm_slot >= 0:  # not ended meanwhile
+                self._accept_token(stream, token)
+
     def _decode_chat_text(self) -> None:
         """One batched LLM step for every chat stream below its lookahead; more steps (up to
         ``steps_per_sync``) while a stream's speech waits for its next piece."""
         for _ in range(self.options.steps_per_sync):
-            streams = [s for s in self.scheduler.running()
-                       if s.plan.is_chat and not s.text_done and s.llm_slot >= 0
-                       and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+            streams = self._chat_text_rows()
             if not streams:
                 return
             tokens = self.runner.llm_step([s.llm_slot for s in streams], self.chat.inputs(streams))

@@ -74,3 +74,32 @@ def test_chat_answer_is_the_greedy_continuation_alone_and_batched(engine):
 
     assert asyncio.run(alone()) == want["chat-a"]
     assert asyncio.run(together()) == [want["chat-a"], want["chat-b"]]
+
+
+def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
+    """``overlap_llm_step``: the LLM step launched before the audio window and its tokens taken
+    after it gives every chat stream the answer the in-line step gives (greedy, long enough
+    answers that the LLM runs ahead of the speech, which is when the step is launched)."""
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    requests = [SpeechRequest(request_id=f"long-{i}", text=text, mode="chat",
+                              sampling=SamplingParams(temperature=0.0, repetition_penalty=1.0),
+                              lengths=LengthControls(llm_tokens=36, audio_frames=60))
+                for i, text in enumerate(["Tell me about rivers.", "What is the tallest mountain?"])]
+
+    def answers(overlap: bool) -> tuple[list[str], int]:
+        options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                                max_slots=4, max_chat_slots=3, tts_max_positions=1024,
+                                llm_max_positions=256, overlap_llm_step=overlap)
+        engine = MiniCPMOEngine(model, options)
+        try:
+            async def run() -> list[str]:
+                return await asyncio.gather(*(spoken_text(s) for s in engine.submit(requests)))
+
+            return asyncio.run(run()), engine.device_work().get("llm_launches", 0)
+        finally:
+            engine.close()
+
+    in_line, no_launches = answers(False)
+    overlapped, launches = answers(True)
+    assert no_launches == 0 and launches > 0
+    assert overlapped == in_line and all(in_line)
