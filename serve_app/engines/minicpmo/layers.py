@@ -241,7 +241,7 @@ def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
     partial_count, partial_index = listed(partial)
     whole_count, whole_index = listed(whole)
     return BlockMask.from_kv_blocks(partial_count, partial_index, whole_count, whole_index,
-                                    BLOCK_SIZE=(1, block), mask_mod=mask_mod,
+                                    BLOCK_SIZE=(128, block), mask_mod=mask_mod,
                                     seq_lengths=(1, length), compute_q_blocks=False)
 
 
