@@ -36,7 +36,7 @@ import bench_engine  # noqa: E402
 from serve_app.engines.minicpmo.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
     Int4Weight,
-    gemlite_linear,
+    int4_linear,
     quantize_linears,
     quantize_llm,
 )
@@ -82,7 +82,7 @@ def linear_checks(model, mode: str, device: str) -> dict:
                 reference = F.linear(x, weight)
                 if mode == "int4":
                     int4 = Int4Weight.quantize(weight, INT4_GROUP_SIZE)
-                    quantized = gemlite_linear(int4, None, weight.dtype)(x)
+                    quantized = int4_linear(int4, None, weight.dtype)(x)
                 else:
                     quantize_linears(linear, mode)
                     quantized = linear(x)

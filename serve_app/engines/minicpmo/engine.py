@@ -34,7 +34,7 @@ from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel, load_speech_model
 from .options import EngineOptions, clones_voices
-from .quantization import effective_mode, require_backend
+from .quantization import resolve_mode
 from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
@@ -77,7 +77,6 @@ class MiniCPMOEngine(SubmitsIterators):
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
         self.options = options
         self.model = model
-        self._device = next(model.llm.parameters()).device
         tok = model.tokenizer
         self._spk_id = tok.convert_tokens_to_ids("<|spk|>")
         self._gen_prompt_ids = tok(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
@@ -107,12 +106,11 @@ class MiniCPMOEngine(SubmitsIterators):
         if options.gpu_memory_gb is not None:
             cap_gpu_memory(device, options.gpu_memory_gb)
         if benchmark is not None and benchmark.random_weights:
-            require_backend(options.quantization, device)
             model = benchmark.random_model(device, options.resolved_dtype(),
                                            clip_encoder=options.voices,
-                                           quantization=effective_mode(options.quantization, device))
+                                           quantization=resolve_mode(options.quantization, device))
         else:
-            model = load_speech_model(options.model, options.revision, options.resolved_device(),
+            model = load_speech_model(options.model, options.revision, device,
                                       options.resolved_dtype(), quantization=options.quantization,
                                       audio_encoder=None if options.voices else False)
         logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
@@ -298,8 +296,8 @@ class MiniCPMOEngine(SubmitsIterators):
 
     def stats(self) -> EngineStats:
         stats = self._scheduler.stats()
-        if self._device.type == "cuda":
-            stats.device_memory_peak_bytes = torch.cuda.max_memory_reserved(self._device)
+        if self._runner.device.type == "cuda":
+            stats.device_memory_peak_bytes = torch.cuda.max_memory_reserved(self._runner.device)
         return stats
 
     def trace(self, request_id: str) -> SpeechSchedule | None:

@@ -26,7 +26,7 @@ from .audio_in import ClipEncoder
 from .codec import SpeechDecoder
 from .gptq import GPTQ_PARTS, GPTQConfig, dequantize_gptq_linear, gptq_int4_weight
 from .modeling import ModelConfig, QwenLM, SpeechTokenModel
-from .quantization import Int4Weight, effective_mode, quantize_decoder_layer, require_backend
+from .quantization import Int4Weight, quantize_decoder_layer, resolve_mode
 
 logger = logging.getLogger(__name__)
 
@@ -173,16 +173,12 @@ class _LayerwiseAssigner:
 
 
 def load_llm(path: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-             quantization: str = "none") -> QwenLM:
+             mode: str = "none") -> QwenLM:
     """The LLM from ``llm.*``: dense weights, or GPTQ int4 linears; then, layer by layer,
-    quantized as ``quantization`` asks (see :mod:`.quantization`).
+    quantized as the effective quantization ``mode`` asks (:func:`.quantization.resolve_mode`).
 
     GPTQ linears go to the int4 kernel as they are stored under ``int4`` when their groups
     allow it; otherwise they are dequantized to ``dtype`` first."""
-    mode = effective_mode(quantization, device)
-    if mode != quantization:
-        logger.warning("quantization %s has no kernel on %s: running dequantized %s weights",
-                       quantization, device.type, dtype)
     gptq = GPTQConfig.from_checkpoint(path)
     with torch.device("meta"):
         llm = QwenLM(config.llm, config.vocab_size)
@@ -260,10 +256,10 @@ def load_speech_model(model: str = DEFAULT_MODEL_ID, revision: str | None = None
     ``quantization`` (``none | int8 | int4 | int4-tinygemm``) applies to the LLM's decoder linears.
     """
     device = torch.device(device)
-    require_backend(quantization, device)  # a missing torchao fails before any download
+    mode = resolve_mode(quantization, device)  # a missing library fails before any download
     path = resolve_checkpoint(model, revision)
     config = ModelConfig.from_file(path / "config.json")
-    llm = load_llm(path, config, device, dtype, quantization)
+    llm = load_llm(path, config, device, dtype, mode)
     with torch.device("meta"):
         tts = SpeechTokenModel(config.tts, config.tts_shape())
 

@@ -104,6 +104,18 @@ def effective_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """The effective mode of ``mode`` on ``device`` (:func:`effective_mode`, with a warning when
+    int4 falls back to dequantized weights), once its library is known to be installed
+    (:func:`require_backend`): call it before loading or building anything."""
+    effective = effective_mode(mode, device)
+    if effective != mode:
+        logger.warning("quantization %s has no kernel on %s: running dequantized weights", mode,
+                       torch.device(device).type)
+    require_backend(effective, device)
+    return effective
+
+
 def require_backend(mode: str, device: torch.device) -> None:
     """Raise :class:`QuantizationUnavailableError` now if ``mode`` on ``device`` needs a library
     that is missing."""
@@ -331,11 +343,7 @@ def quantize_llm(llm: nn.Module, mode: str) -> str:
     sits on the device); this is for a model built otherwise.
     """
     parameter = next(llm.parameters())
-    effective = effective_mode(mode, parameter.device)
-    if effective != mode:
-        logger.warning("quantization %s has no kernel on %s: running dequantized weights", mode,
-                       parameter.device.type)
-    require_backend(effective, parameter.device)  # fail before touching any layer
+    effective = resolve_mode(mode, parameter.device)  # fails before touching any layer
     for layer in llm.model.layers:
         quantize_decoder_layer(layer, effective, parameter.dtype)
     return effective

@@ -187,7 +187,7 @@ class ModelRunner:
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
-        self._count_llm_step(len(slots))
+        self._count_llm_step(slots)
         tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
                                  torch.tensor(slots, device=self.device), False).cpu()
         return tokens.tolist()
@@ -201,7 +201,12 @@ class ModelRunner:
     def llm_collect(self, launched: object) -> list[int]:
         return launched  # type: ignore[return-value]
 
-    def _count_llm_step(self, rows: int) -> None:
+    def _llm_rows(self, slots: list[int]) -> int:
+        """Rows an LLM step over ``slots`` computes."""
+        return len(slots)
+
+    def _count_llm_step(self, slots: list[int]) -> None:
+        rows = self._llm_rows(slots)
         self.work.update(llm_steps=1, llm_rows=rows,
                          llm_key_reads=rows * (self.llm_cache.max_positions + 1))
 
@@ -322,15 +327,18 @@ class GraphModelRunner(ModelRunner):
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
 
-    def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
+    def _llm_rows(self, slots: list[int]) -> int:
         # the graph of the smallest bucket past the highest slot computes every row below it
-        self._count_llm_step(next(b for b in self.llm_graphs.buckets if b > max(slots)))
+        return next(b for b in self.llm_graphs.buckets if b > max(slots))
+
+    def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
+        self._count_llm_step(slots)
         return self.llm_graphs.run(slots, inputs).tolist()
 
     def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
         """The LLM step's graph on a CUDA stream of its own: the audio window queued after it
         on the current stream runs beside it."""
-        self._count_llm_step(next(b for b in self.llm_graphs.buckets if b > max(slots)))
+        self._count_llm_step(slots)
         self.work.update(llm_launches=1)
         if self._llm_stream is None:
             self._llm_stream = torch.cuda.Stream(self.device)

@@ -62,11 +62,17 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor, min_keep: int,
     them arbitrarily.
     """
     sorted_logits, sorted_index = torch.sort(logits, descending=False, dim=-1, stable=stable)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cumulative <= (1 - top_p)
-    remove[..., -min_keep:] = False
+    remove = top_p_removed(sorted_logits, top_p, min_keep)
     remove = remove.scatter(-1, sorted_index, remove)
     return logits.masked_fill(remove, float("-inf"))
+
+
+def top_p_removed(ascending: torch.Tensor, top_p: torch.Tensor, min_keep: int) -> torch.Tensor:
+    """Which entries of rows sorted ascending top-p removes: those whose cumulative probability
+    stays within ``1 - top_p``, but never the last ``min_keep``."""
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    remove[..., -min_keep:] = False
+    return remove
 
 
 def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor, min_keep: int) -> torch.Tensor:
@@ -169,9 +175,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     ascending = ascending.masked_fill(ascending < threshold, float("-inf"))
     row = logits.new_full((batch, size), float("-inf"))
     row[:, size - n:] = ascending
-    cumulative = row.softmax(dim=-1).cumsum(dim=-1)[:, size - n:]
-    remove = cumulative <= (1 - top_p)
-    remove[..., -1:] = False
+    remove = top_p_removed(row, top_p, 1)[:, size - n:]
     return ascending.masked_fill(remove, float("-inf")), index, complete
 
 

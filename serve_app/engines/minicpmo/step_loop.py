@@ -226,12 +226,15 @@ class StepLoop:
         return streams, launched
 
     def _collect_chat_text(self, streams: list[Stream], launched: object) -> None:
-        tokens = self.runner.llm_collect(launched)
+        self._take_tokens(streams, self.runner.llm_collect(launched))
+
+    def _take_tokens(self, streams: list[Stream], tokens: list[int]) -> None:
+        """One LLM step's tokens into its streams (one whose LLM slot was freed since, when the
+        step was launched earlier in the engine step, takes none)."""
         self.scheduler.count(llm_steps=1)
-        running = {id(s) for s in self.scheduler.running()}
         for stream, token in zip(streams, tokens):
             stream.llm_len += 1
-            if id(stream) in running and stream.llm_slot >= 0:  # not ended meanwhile
+            if stream.llm_slot >= 0:
                 self._accept_token(stream, token)
 
     def _decode_chat_text(self) -> None:
@@ -241,12 +244,8 @@ class StepLoop:
             streams = self._chat_text_rows()
             if not streams:
                 return
-            tokens = self.runner.llm_step([s.llm_slot for s in streams], self.chat.inputs(streams))
-            self.scheduler.count(llm_steps=1)
-            for stream in streams:
-                stream.llm_len += 1
-            for stream, token in zip(streams, tokens):
-                self._accept_token(stream, token)
+            self._take_tokens(streams, self.runner.llm_step([s.llm_slot for s in streams],
+                                                            self.chat.inputs(streams)))
             if not any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
                        for s in streams):
                 return
