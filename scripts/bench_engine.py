@@ -241,6 +241,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             steps_per_sync=args.steps_per_sync,
                             one_query_attention=args.one_query_attention,
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
+                            prefill_tokens=getattr(args, "prefill_tokens",
+                                                   EngineOptions.prefill_tokens),
                             profile_phases=args.profile_phases,
                             voices=model.clip_encoder is not None,
                             max_voices=max(getattr(args, "voices", 0), 1))
@@ -431,6 +433,8 @@ def main() -> None:
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
     parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
+    parser.add_argument("--prefill-tokens", type=int, default=EngineOptions.prefill_tokens,
+                        help="padded prompt tokens per admission prefill pass (EngineOptions)")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--profile-phases", action="store_true",

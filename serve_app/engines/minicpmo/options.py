@@ -43,6 +43,10 @@ class EngineOptions:
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
+    # padded prompt tokens (prompts x the longest) per admission prefill pass, as vLLM's
+    # max_num_batched_tokens: a burst of short prompts is one pass (every pass reads all the
+    # LLM's weights), a long prompt still runs (alone)
+    prefill_tokens: int = 4096
     quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
     # smaller GPU would: the A10G profile's 22 leaves an A10G's CUDA context room
@@ -57,6 +61,8 @@ class EngineOptions:
             raise ValueError("steps_per_sync must be at least 1")
         if not isinstance(self.voices, bool):
             raise ValueError("voices must be true or false (voice cloning on or off)")
+        if self.prefill_tokens < 1:
+            raise ValueError("prefill_tokens must be at least 1")
         if self.max_voices < 1:
             raise ValueError("max_voices must be at least 1")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:

@@ -28,7 +28,7 @@ from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel
 from .options import EngineOptions
 from .output import StreamingAudioJoiner, emit, join_decoded, send
-from .runner import PREFILL_BATCH, ModelRunner
+from .runner import ModelRunner, prefill_passes
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
 from .voices import VoiceTable, prefix_length
@@ -154,14 +154,14 @@ class StepLoop:
             self._init_schedule(stream)
 
     def _prefill(self, streams: list[Stream]) -> None:
-        """Prefill the prompts of newly admitted streams, :data:`PREFILL_BATCH` per pass (a
-        stream in a cloned voice only its own prompt, after its voice turn's cached keys)."""
+        """Prefill the prompts of newly admitted streams in passes of at most
+        ``options.prefill_tokens`` padded tokens (a stream in a cloned voice only its own
+        prompt, after its voice turn's cached keys)."""
         tok = self.model.tokenizer
         prompts = [(s.plan.prompt_ids if s.plan.prompt_ids is not None
                     else tok(s.plan.prompt, add_special_tokens=False)["input_ids"])
                    + self._gen_prompt_ids for s in streams]
-        for start in range(0, len(streams), PREFILL_BATCH):
-            part = slice(start, start + PREFILL_BATCH)
+        for part in prefill_passes([len(p) for p in prompts], self.options.prefill_tokens):
             self._prefill_pass(streams[part], prompts[part])
 
     def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]]) -> None:

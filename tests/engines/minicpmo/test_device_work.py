@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from serve_app.engines.base import LengthControls, SpeechRequest
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
+from serve_app.engines.minicpmo.loader import load_speech_model
 from tests.engines.minicpmo.tiny_engine import tiny_engine
 
 FRAMES = LengthControls(audio_frames=40)
@@ -43,3 +46,48 @@ def test_device_work_counts_what_the_engine_did(engine) -> None:
     frames = sum(int(chunk.timings_s["tts_steps"]) for chunk in finals)
     assert work["decode_frames"] >= frames  # each frame decoded once, some again as context
     assert work["text_prefill_passes"] >= 2 and work["text_prefill_key_reads"] > 0
+
+
+def test_prefill_token_budget_splits_admissions_into_passes(tiny_checkpoint) -> None:
+    """Streams admitted together share prefill passes of at most ``prefill_tokens`` padded
+    tokens: a budget of one token gives every prompt its own pass, the default one pass for
+    all; the speech and the chat answers are the same either way."""
+    from serve_app.engines.minicpmo.runner import prefill_passes
+
+    assert prefill_passes([5, 7, 3], 1) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert prefill_passes([5, 7, 3], 21) == [slice(0, 3)]
+    assert prefill_passes([5, 7, 3], 20) == [slice(0, 2), slice(2, 3)]
+    assert prefill_passes([30, 2, 2], 8) == [slice(0, 1), slice(1, 3)]
+    assert prefill_passes([], 8) == []
+
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    requests = [("budget-read-a", "The first of three prompts.", "read"),
+                ("budget-read-b", "A second, somewhat longer prompt to read aloud.", "read"),
+                ("budget-chat", "Say something short.", "chat")]
+    results = {}
+    for budget in (1, EngineOptions.prefill_tokens):
+        engine = MiniCPMOEngine(model, EngineOptions(
+            model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
+            max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,
+            tts_sampling="greedy", keep_traces=True, prefill_tokens=budget))
+        try:
+            before = engine.device_work().get("llm_prefill_passes", 0)
+
+            async def run() -> None:
+                streams = engine.submit([SpeechRequest(rid, text, mode=mode, lengths=FRAMES)
+                                         for rid, text, mode in requests])
+                async def drain(stream) -> None:
+                    async for _ in stream:
+                        pass
+
+                await asyncio.gather(*(drain(s) for s in streams))
+
+            asyncio.run(run())
+            passes = engine.device_work()["llm_prefill_passes"] - before
+            traces = {rid: engine.trace(rid) for rid, _, _ in requests}
+            results[budget] = (passes, {rid: (t.gen_text_raw, t.finished_segments + [t.segment_frames])
+                                        for rid, t in traces.items()})
+        finally:
+            engine.close()
+    assert results[1][0] == 3 and results[EngineOptions.prefill_tokens][0] == 1
+    assert results[1][1] == results[EngineOptions.prefill_tokens][1]
