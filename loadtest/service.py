@@ -34,20 +34,35 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
          "--address", "local", config_file.name], cwd=ROOT, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    deadline = time.monotonic() + ready_timeout_s
+    started = time.monotonic()
+    deadline = started + ready_timeout_s
+    next_note = started + 60
     try:
         while True:
             try:
                 if httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200:
+                    print(f"service ready after {time.monotonic() - started:.0f} s", flush=True)
                     return process
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the service did not start; see {log_path}")
+                raise SystemExit(f"the service did not start in {time.monotonic() - started:.0f} s;"
+                                 f" the end of {log_path}:\n{_log_tail(log_path)}")
+            if time.monotonic() > next_note:  # a slow start says so (and where it stands)
+                print(f"waiting for the service: {time.monotonic() - started:.0f} s; the log "
+                      f"ends:\n{_log_tail(log_path, 5)}", flush=True)
+                next_note += 60
             time.sleep(1)
     except BaseException:
         stop_service(process)
         raise
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of the service's log that are not readiness probes."""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+    kept = [line for line in text.splitlines() if "/readyz" not in line]
+    return "\n".join(line[:400] for line in kept[-lines:])
 
 
 def stop_service(process: subprocess.Popen) -> None:

@@ -14,7 +14,8 @@ For each ``--rows`` M (tokens in the batch: 1 for one decode row, 8-64 for batch
 
 Each timing is a CUDA graph of ``--calls`` back-to-back calls (the engine replays its decode
 steps as graphs) going round copies of the weight that add up to more than the L2 cache,
-the median of ``--trials`` replays, divided by the calls. ``layer_us`` sums the four shapes; ``llm_ms`` is 28 layers of that (the decoder linears of one LLM step).
+the median of ``--trials`` replays, divided by the calls. ``layer_us`` sums the four shapes;
+``llm_ms`` is 28 layers of that (the decoder linears of one LLM step).
 ``rel_error`` is ||y - y_bf16|| / ||y_bf16|| at 8 rows, against the unquantized weight.
 
 ``load`` times turning one decoder layer's GPTQ tensors (the official int4 checkpoint's layout,
@@ -71,7 +72,8 @@ def build(candidate: str, weight: torch.Tensor) -> tuple[object, int]:
         return (lambda x: F.linear(x, weight)), weight.numel() * weight.element_size()
     if candidate == "int4-gemlite":
         linear = gemlite_linear(Int4Weight.quantize(weight, INT4_GROUP_SIZE), None, weight.dtype)
-        return linear, sum(t.numel() * t.element_size() for t in (linear.W_q, linear.scales, linear.zeros))
+        kernel = linear.kernel
+        return linear, sum(t.numel() * t.element_size() for t in (kernel.W_q, kernel.scales, kernel.zeros))
     from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
         Int4WeightOnlyConfig,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,48 @@ def int4_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtyp
 
 
 def is_int4_linear(module: nn.Module) -> bool:
-    return isinstance(module, CpuInt4Linear) or type(module).__module__.startswith("gemlite")
+    return isinstance(module, (CpuInt4Linear, BucketedRowsLinear))
+
+
+class BucketedRowsLinear(nn.Module):
+    """A linear kernel that is only ever called with the row counts ``bucket_rows`` gives:
+    other counts are padded with zero rows and the output cut back.
+
+    GemLite's Triton kernels are compiled per row-count bucket and also per what the row count
+    divides (Triton specializes an integer argument on ``% 16``, GemLite on ``M % BLOCK_M``):
+    row counts the start-up warm-up never ran would compile in the middle of serving (seen on
+    an H100: a burst of 64 chat prompts, 1071 prefill rows, waited ~450 ms more for its first
+    audio). Running every call at a warmed count keeps every compile at start."""
+
+    def __init__(self, kernel: nn.Module, in_features: int, out_features: int,
+                 bucket_rows) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.in_features, self.out_features = in_features, out_features
+        self.bucket_rows = bucket_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        padded = self.bucket_rows(rows)
+        if padded != rows:
+            flat = F.pad(flat, (0, 0, 0, padded - rows))
+        out = self.kernel(flat)[:rows]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+GEMLITE_LARGE_ROWS = 256  # above GemLite's largest bucket rows round up to a multiple of this
+
+
+def gemlite_rows(rows: int) -> int:
+    """The row count a GemLite call of ``rows`` rows runs at: its tuning bucket (the next of
+    GemLite's listed counts, up to its largest), above that the next multiple of
+    :data:`GEMLITE_LARGE_ROWS` (divisible by every block height GemLite uses)."""
+    from gemlite.triton_kernels.utils import M_MAXVAL, get_closest_m
+
+    if rows <= M_MAXVAL:
+        return get_closest_m(rows)
+    return -(-rows // GEMLITE_LARGE_ROWS) * GEMLITE_LARGE_ROWS
 
 
 def gemlite_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
@@ -232,30 +274,31 @@ def gemlite_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.d
     linear.pack(weight.codes.contiguous(), weight.scales.to(dtype).contiguous(),
                 weight.zeros.to(dtype).contiguous(),
                 bias=None if bias is None else bias.detach().to(dtype), fma_mode=False)
-    return linear
+    return BucketedRowsLinear(linear, in_features, out_features, gemlite_rows)
 
 
 def warm_up_int4_kernels(module: nn.Module, max_rows: int = 4096) -> int:
-    """Run each int4 matmul shape in ``module`` once per row-count bucket GemLite keys its
-    kernels by (up to ``max_rows``), so Triton compiles them (and autotunes those it has no
+    """Run each int4 matmul shape in ``module`` once at every row count :func:`gemlite_rows`
+    can give (GemLite's buckets up to ``max_rows`` and one above), so Triton compiles them (and autotunes those it has no
     tuned configuration for) at start, not in the middle of serving, where every stream would
     wait for it. Returns how many calls that took (0 without int4 layers)."""
-    if not any(type(m).__module__.startswith("gemlite") for m in module.modules()):
+    layers = [m for m in module.modules()
+              if isinstance(m, BucketedRowsLinear) and m.bucket_rows is gemlite_rows]
+    if not layers:
         return 0  # no GemLite layers (bf16, torchao, or the CPU int4 kernel)
-    linear_class, _ = _gemlite()
-    from gemlite.triton_kernels.utils import get_closest_m
-
-    shapes: dict[tuple[int, int], nn.Module] = {}
-    for layer in module.modules():
-        if isinstance(layer, linear_class):
-            shapes.setdefault((layer.in_features, layer.out_features), layer)
-    buckets = sorted({get_closest_m(rows) for rows in range(1, max_rows + 1)})
+    shapes: dict[tuple[int, int], BucketedRowsLinear] = {}
+    for layer in layers:
+        shapes.setdefault((layer.in_features, layer.out_features), layer)
+    # every count a call can run at (gemlite_rows): the buckets, and one count above them
+    buckets = sorted({gemlite_rows(rows) for rows in range(1, max_rows + 1)}
+                     | {gemlite_rows(max_rows + 1)})
     calls = 0
     with torch.inference_mode():
         for linear in shapes.values():
+            kernel = linear.kernel
             for rows in buckets:
-                linear(torch.zeros(rows, linear.in_features, dtype=linear.compute_dtype,
-                                   device=linear.W_q.device))
+                kernel(torch.randn(rows, linear.in_features, dtype=kernel.compute_dtype,
+                                   device=kernel.W_q.device))
                 calls += 1
     torch.cuda.synchronize()
     return calls

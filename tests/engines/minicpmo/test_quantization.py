@@ -29,6 +29,7 @@ from serve_app.engines.minicpmo.layers import (
 )
 from serve_app.engines.minicpmo.loader import load_speech_model
 from serve_app.engines.minicpmo.quantization import (
+    BucketedRowsLinear,
     CpuInt4Linear,
     Int4Weight,
     QuantizationUnavailableError,
@@ -213,6 +214,26 @@ def test_torchao_quantization_of_a_fused_model_quantizes_what_it_runs(tiny_check
     assert after.llm.model.layers[0].self_attn.fused_qkv is not None
     quantize_llm(after.llm, "int8")
     torch.testing.assert_close(speaker_hidden(after), speaker_hidden(before), rtol=0, atol=0)
+
+
+def test_bucketed_rows_run_the_kernel_only_at_bucket_counts_and_cut_the_padding():
+    """GemLite's wrapper (BucketedRowsLinear) pads every call to a row count the warm-up ran;
+    here over the CPU int4 kernel with buckets of 8: the kernel sees only multiples of 8, and
+    every row's output is what the kernel gives that row unpadded."""
+    weight = torch.randn(48, 128) * 0.02
+    kernel = CpuInt4Linear(Int4Weight.quantize(weight, 32), torch.randn(48), torch.float32)
+    seen = []
+    kernel.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    linear = BucketedRowsLinear(kernel, 128, 48, lambda rows: -(-rows // 8) * 8)
+    for rows in (1, 7, 8, 13, 24):
+        x = torch.randn(rows, 128)
+        got = linear(x)
+        assert got.shape == (rows, 48)
+        torch.testing.assert_close(got, kernel(x), rtol=0, atol=0)
+        assert seen[-2] == -(-rows // 8) * 8  # the wrapper's call, then the reference's
+    batched = torch.randn(3, 5, 128)  # leading dimensions are flattened and restored
+    torch.testing.assert_close(linear(batched), kernel(batched), rtol=0, atol=0)
+    assert seen[-2] == 16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GemLite's int4 kernels run on CUDA")
