@@ -434,7 +434,7 @@ def main() -> None:
     parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
     parser.add_argument("--prefill-tokens", type=int, default=EngineOptions.prefill_tokens,
-                        help="padded prompt tokens per admission prefill pass (EngineOptions)")
+                        help="padded prompt tokens admitted and prefilled per step (EngineOptions)")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--profile-phases", action="store_true",

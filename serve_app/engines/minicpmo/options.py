@@ -43,9 +43,9 @@ class EngineOptions:
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
-    # padded prompt tokens (prompts x the longest) per admission prefill pass, as vLLM's
-    # max_num_batched_tokens: a burst of short prompts is one pass (every pass reads all the
-    # LLM's weights), a long prompt still runs (alone)
+    # padded prompt tokens (prompts x the longest) admitted and prefilled per engine step, as
+    # vLLM's max_num_batched_tokens: a burst of short prompts is one pass (every pass reads all
+    # the LLM's weights), long ones spread over steps, a prompt over the budget runs alone
     prefill_tokens: int = 4096
     quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a

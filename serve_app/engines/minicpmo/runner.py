@@ -49,19 +49,10 @@ logger = logging.getLogger(__name__)
 
 
 
-def prefill_passes(lengths: Sequence[int], budget: int) -> list[slice]:
-    """Admitted prompts of ``lengths``, in order, split into prefill passes of at most
-    ``budget`` padded tokens (prompts in the pass x its longest); a prompt longer than the
-    budget makes a pass of its own."""
-    passes, start, longest = [], 0, 0
-    for i, length in enumerate(lengths):
-        if i > start and (i + 1 - start) * max(longest, length) > budget:
-            passes.append(slice(start, i))
-            start, longest = i, 0
-        longest = max(longest, length)
-    if lengths:
-        passes.append(slice(start, len(lengths)))
-    return passes
+def fits_one_pass(lengths: Sequence[int], budget: int) -> bool:
+    """Prompts of ``lengths`` fit one prefill pass of ``budget`` padded tokens (the prompts
+    times the longest); a single prompt always does, however long."""
+    return len(lengths) <= 1 or len(lengths) * max(lengths) <= budget
 # Voice-turn lengths the admission prefill graphs are captured for (a 30 s clip's turn is about
 # 825 tokens); a longer prefix runs eagerly.
 VOICE_PREFIX_BUCKETS = (0, 256, 1024)
@@ -120,7 +111,7 @@ class ModelRunner:
     def prefill_prompts(self, prompts: Sequence[list[int]], voices: Sequence[VoicePrefix | None],
                         slots: Sequence[int], spk_id: int, chat_rows: Sequence[int],
                         llm_slots: Sequence[int]) -> torch.Tensor | None:
-        """One LLM prefill of ``prompts`` (a pass of :func:`prefill_passes`), each after its voice's turn
+        """One LLM prefill of ``prompts`` (within :func:`fits_one_pass`), each after its voice's turn
         (``voices[i]``: its cached keys and values; None for the default voice): row i's speaker
         embedding (the hidden state at its last ``spk_id``) goes to TTS slot ``slots[i]``; rows
         ``chat_rows`` keep their keys and values (voice turn included) in LLM slots

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import heapq
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..base import (
@@ -154,8 +155,10 @@ class Scheduler:
                     self._stats.aborted += 1
         return taken
 
-    def admit(self, step: int) -> list[Stream]:
-        """Queued streams that get slots now, in order (a chat stream also needs an LLM slot)."""
+    def admit(self, step: int, fits: Callable[[Stream], bool] | None = None) -> list[Stream]:
+        """Queued streams that get slots now, in order (a chat stream also needs an LLM slot);
+        with ``fits``, only while it accepts the next stream (the step's prefill budget): the
+        rest wait, in order, for the next step."""
         if self.active and step % self._admission_interval:
             return []  # batch admissions: one LLM prefill per few steps instead of one per step
         admitted: list[Stream] = []
@@ -163,6 +166,8 @@ class Scheduler:
             while self.pending and self._free_slots:
                 stream = self.pending[0]
                 if stream.plan.is_chat and not self._free_llm_slots:
+                    break
+                if fits is not None and not fits(stream):
                     break
                 self.pending.popleft()
                 stream.slot = heapq.heappop(self._free_slots)

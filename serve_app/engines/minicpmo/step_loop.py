@@ -28,7 +28,7 @@ from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel
 from .options import EngineOptions
 from .output import StreamingAudioJoiner, emit, join_decoded, send
-from .runner import ModelRunner, prefill_passes
+from .runner import ModelRunner, fits_one_pass
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
 from .voices import VoiceTable, prefix_length
@@ -138,13 +138,37 @@ class StepLoop:
     # ---- admission -------------------------------------------------------------------------
 
     def _admit(self, step: int) -> None:
-        admitted = self.scheduler.admit(step)
+        """Admit queued streams while their prompts fit one prefill pass of
+        ``options.prefill_tokens`` padded tokens (the first always does), and prefill them:
+        a larger admission spreads over the next steps instead of stalling this one, as vLLM's
+        token budget per step does."""
+        prompts: list[list[int] | Exception] = []
+
+        def fits(stream: Stream) -> bool:
+            try:
+                ids = self._prompt_ids(stream)
+            except Exception as error:  # noqa: BLE001 - fails this stream alone, below
+                prompts.append(error)
+                return True
+            lengths = [len(p) for p in prompts if isinstance(p, list)]
+            if lengths and not fits_one_pass(lengths + [len(ids)], self.options.prefill_tokens):
+                return False
+            prompts.append(ids)
+            return True
+
+        admitted = self.scheduler.admit(step, fits)
+        for stream, prompt in zip(admitted, prompts):
+            if isinstance(prompt, Exception):
+                logger.error("prompt of %s failed: %r", stream.request_id, prompt)
+                self._fail(stream, EngineError(f"prompt failed: {type(prompt).__name__}"))
+        kept = [(s, p) for s, p in zip(admitted, prompts) if isinstance(p, list)]
+        admitted, prompts = [s for s, _ in kept], [p for _, p in kept]
         if not admitted:
             return
         for stream in admitted:
             self.runner.clear_tts_slot(stream.slot)
         try:
-            self._prefill(admitted)
+            self._prefill_pass(admitted, prompts)
         except Exception as error:
             logger.exception("prefill failed")
             for stream in admitted:
@@ -153,18 +177,16 @@ class StepLoop:
         for stream in admitted:
             self._init_schedule(stream)
 
-    def _prefill(self, streams: list[Stream]) -> None:
-        """Prefill the prompts of newly admitted streams in passes of at most
-        ``options.prefill_tokens`` padded tokens (a stream in a cloned voice only its own
-        prompt, after its voice turn's cached keys)."""
-        tok = self.model.tokenizer
-        prompts = [(s.plan.prompt_ids if s.plan.prompt_ids is not None
-                    else tok(s.plan.prompt, add_special_tokens=False)["input_ids"])
-                   + self._gen_prompt_ids for s in streams]
-        for part in prefill_passes([len(p) for p in prompts], self.options.prefill_tokens):
-            self._prefill_pass(streams[part], prompts[part])
+    def _prompt_ids(self, stream: Stream) -> list[int]:
+        """The LLM prompt a stream prefills (a stream in a cloned voice only its own turn, after
+        its voice turn's cached keys)."""
+        plan = stream.plan
+        ids = (plan.prompt_ids if plan.prompt_ids is not None
+               else self.model.tokenizer(plan.prompt, add_special_tokens=False)["input_ids"])
+        return list(ids) + self._gen_prompt_ids
 
     def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]]) -> None:
+        """One LLM prefill of the admitted streams' prompts."""
         chat_rows = [i for i, s in enumerate(streams) if s.plan.is_chat]
         logits = self.runner.prefill_prompts(prompts, [s.voice for s in streams],
                                              [s.slot for s in streams], self._spk_id, chat_rows,

@@ -48,17 +48,16 @@ def test_device_work_counts_what_the_engine_did(engine) -> None:
     assert work["text_prefill_passes"] >= 2 and work["text_prefill_key_reads"] > 0
 
 
-def test_prefill_token_budget_splits_admissions_into_passes(tiny_checkpoint) -> None:
-    """Streams admitted together share prefill passes of at most ``prefill_tokens`` padded
-    tokens: a budget of one token gives every prompt its own pass, the default one pass for
-    all; the speech and the chat answers are the same either way."""
-    from serve_app.engines.minicpmo.runner import prefill_passes
+def test_prefill_token_budget_spreads_admissions_over_passes(tiny_checkpoint) -> None:
+    """Streams queued together are admitted while their prompts fit one prefill pass of
+    ``prefill_tokens`` padded tokens: a budget of one token admits one stream a step (a pass
+    each), the default all three in one pass; the speech and the chat answers are the same
+    either way."""
+    from serve_app.engines.minicpmo.runner import fits_one_pass
 
-    assert prefill_passes([5, 7, 3], 1) == [slice(0, 1), slice(1, 2), slice(2, 3)]
-    assert prefill_passes([5, 7, 3], 21) == [slice(0, 3)]
-    assert prefill_passes([5, 7, 3], 20) == [slice(0, 2), slice(2, 3)]
-    assert prefill_passes([30, 2, 2], 8) == [slice(0, 1), slice(1, 3)]
-    assert prefill_passes([], 8) == []
+    assert fits_one_pass([5, 7, 3], 21) and not fits_one_pass([5, 7, 3], 20)
+    assert fits_one_pass([300], 8)  # one prompt always fits, however long
+    assert fits_one_pass([2, 2], 4) and not fits_one_pass([2, 3], 5)
 
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     requests = [("budget-read-a", "The first of three prompts.", "read"),
