@@ -138,7 +138,8 @@ def measure_candidate(candidate: str, name: str, weight: torch.Tensor, outs: lis
             us = time_call(fns, x, args.calls, args.trials)
             moved = weight_bytes + 2 * m * (in_features + sum(outs))
             row = {"shape": name, "n": sum(outs), "k": in_features, "m": m,
-                   "candidate": candidate, "weight_copies": copies, "us": round(us, 2), "weight_bytes": weight_bytes,
+                   "candidate": candidate, "weight_copies": copies, "us": round(us, 2),
+                   "weight_bytes": weight_bytes,
                    "tb_per_s": round(moved / us / 1e6, 3),
                    "tflop_per_s": round(2 * m * in_features * sum(outs) / us / 1e6, 2),
                    "rel_error": error}

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
 import numpy as np
@@ -269,10 +270,15 @@ class MiniCPMOEngine(SubmitsIterators):
     def submit_plans_to(self, plans: Sequence[StreamPlan], sink: OutputSink) -> None:
         """Admit prepared plans, their output going to ``sink``. Each stream holds its cloned
         voice from here to its end (the table cannot drop it)."""
+        tok = self.model.tokenizer
+        # every plan carries its prompt's ids, so the step thread never tokenizes
+        plans = [plan if plan.prompt_ids is not None else
+                 replace(plan, prompt_ids=tok(plan.prompt, add_special_tokens=False)["input_ids"])
+                 for plan in plans]
         voices = self._voices.acquire([plan.request.voice for plan in plans])
         try:
             for plan, voice in zip(plans, voices):
-                if plan.is_chat and voice is not None and plan.prompt_ids is not None:
+                if plan.is_chat and voice is not None:
                     self._check_chat_room(voice.length + len(plan.prompt_ids))  # voice re-added
             streams = [Stream(plan, sink, time.perf_counter(),
                               fed_text=StreamedText(MAX_TEXT_CHARS, len(plan.request.text))

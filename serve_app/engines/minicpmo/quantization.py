@@ -225,9 +225,10 @@ class BucketedRowsLinear(nn.Module):
 
     GemLite's Triton kernels are compiled per row-count bucket and also per what the row count
     divides (Triton specializes an integer argument on ``% 16``, GemLite on ``M % BLOCK_M``):
-    row counts the start-up warm-up never ran would compile in the middle of serving (seen on
-    an H100: a burst of 64 chat prompts, 1071 prefill rows, waited ~450 ms more for its first
-    audio). Running every call at a warmed count keeps every compile at start."""
+    row counts the start-up warm-up never ran would compile in the middle of serving (the
+    likely reason, not yet confirmed, why a burst of 64 chat prompts, a 1071-row prefill, waited
+    795 ms at p99 for its first audio on an H100). Running every call at a warmed count keeps
+    every compile at start."""
 
     def __init__(self, kernel: nn.Module, in_features: int, out_features: int,
                  bucket_rows) -> None:
@@ -279,9 +280,10 @@ def gemlite_linear(weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.d
 
 def warm_up_int4_kernels(module: nn.Module, max_rows: int = 4096) -> int:
     """Run each int4 matmul shape in ``module`` once at every row count :func:`gemlite_rows`
-    can give (GemLite's buckets up to ``max_rows`` and one above), so Triton compiles them (and autotunes those it has no
-    tuned configuration for) at start, not in the middle of serving, where every stream would
-    wait for it. Returns how many calls that took (0 without int4 layers)."""
+    can give (GemLite's buckets up to ``max_rows`` and one above), so Triton compiles them
+    (and autotunes those it has no tuned configuration for) at start, not in the middle of
+    serving, where every stream would wait for it. Returns how many calls that took (0
+    without int4 layers)."""
     layers = [m for m in module.modules()
               if isinstance(m, BucketedRowsLinear) and m.bucket_rows is gemlite_rows]
     if not layers:

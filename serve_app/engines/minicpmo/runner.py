@@ -47,15 +47,15 @@ from .voices import VoicePrefix, VoiceTurn, prefix_length
 
 logger = logging.getLogger(__name__)
 
+# Voice-turn lengths the admission prefill graphs are captured for (a 30 s clip's turn is about
+# 825 tokens); a longer prefix runs eagerly.
+VOICE_PREFIX_BUCKETS = (0, 256, 1024)
 
 
 def fits_one_pass(lengths: Sequence[int], budget: int) -> bool:
     """Prompts of ``lengths`` fit one prefill pass of ``budget`` padded tokens (the prompts
     times the longest); a single prompt always does, however long."""
     return len(lengths) <= 1 or len(lengths) * max(lengths) <= budget
-# Voice-turn lengths the admission prefill graphs are captured for (a 30 s clip's turn is about
-# 825 tokens); a longer prefix runs eagerly.
-VOICE_PREFIX_BUCKETS = (0, 256, 1024)
 
 
 class ModelRunner:

@@ -36,7 +36,8 @@ class StreamPlan:
     prompt: str
     pieces: list[str] | None
     text_feed: TextFeed | None = None
-    # The prompt's token ids, when the caller has them: the step thread then need not tokenize.
+    # The prompt's token ids; a plan submitted without them gets them at submission (in the
+    # caller's thread: the step thread never tokenizes).
     prompt_ids: list[int] | None = None
 
     @property

@@ -142,27 +142,17 @@ class StepLoop:
         ``options.prefill_tokens`` padded tokens (the first always does), and prefill them:
         a larger admission spreads over the next steps instead of stalling this one, as vLLM's
         token budget per step does."""
-        prompts: list[list[int] | Exception] = []
+        prompts: list[list[int]] = []
 
         def fits(stream: Stream) -> bool:
-            try:
-                ids = self._prompt_ids(stream)
-            except Exception as error:  # noqa: BLE001 - fails this stream alone, below
-                prompts.append(error)
-                return True
-            lengths = [len(p) for p in prompts if isinstance(p, list)]
-            if lengths and not fits_one_pass(lengths + [len(ids)], self.options.prefill_tokens):
+            ids = self._prompt_ids(stream)
+            if not fits_one_pass([len(p) for p in prompts] + [len(ids)],
+                                 self.options.prefill_tokens):
                 return False
             prompts.append(ids)
             return True
 
         admitted = self.scheduler.admit(step, fits)
-        for stream, prompt in zip(admitted, prompts):
-            if isinstance(prompt, Exception):
-                logger.error("prompt of %s failed: %r", stream.request_id, prompt)
-                self._fail(stream, EngineError(f"prompt failed: {type(prompt).__name__}"))
-        kept = [(s, p) for s, p in zip(admitted, prompts) if isinstance(p, list)]
-        admitted, prompts = [s for s, _ in kept], [p for _, p in kept]
         if not admitted:
             return
         for stream in admitted:
@@ -178,12 +168,9 @@ class StepLoop:
             self._init_schedule(stream)
 
     def _prompt_ids(self, stream: Stream) -> list[int]:
-        """The LLM prompt a stream prefills (a stream in a cloned voice only its own turn, after
-        its voice turn's cached keys)."""
-        plan = stream.plan
-        ids = (plan.prompt_ids if plan.prompt_ids is not None
-               else self.model.tokenizer(plan.prompt, add_special_tokens=False)["input_ids"])
-        return list(ids) + self._gen_prompt_ids
+        """The LLM prompt a stream prefills (tokenized when it was submitted; a stream in a
+        cloned voice only its own turn, after its voice turn's cached keys)."""
+        return stream.plan.prompt_ids + self._gen_prompt_ids
 
     def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]]) -> None:
         """One LLM prefill of the admitted streams' prompts."""
