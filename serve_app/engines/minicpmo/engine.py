@@ -62,8 +62,10 @@ def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
     if device.type != "cuda":
         logger.info("gpu_memory_gb applies to CUDA devices only; %s is uncapped", device)
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 1e9 / total), device)
+    # torch wants an index here: plain "cuda" (device: auto) is the current device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 1e9 / total), index)
     logger.info("CUDA allocations capped at %.1f GB of %.1f GB", gigabytes, total / 1e9)
 
 
