@@ -505,15 +505,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for axis, mode in zip(axes[0], modes):
         for label, part, style in (("engine", result.get("engine"), "--"),
                                    ("served", result["served"], "-")):
-            if not part:
-                continue
-            rows = [r for r in part["sweep"] if r["mode"] == mode and r["arrival"] == "poisson"]
-            xs = [r["concurrency"] for r in rows]
-            for q in ("p50", "p99"):
-                axis.plot(xs, [r[f"ttfb_ms_{q}"] for r in rows], style, marker="o",
-                          label=f"{label} TTFB {q}")
+            rows = [r for r in (part or {}).get("sweep", [])
+                    if r["mode"] == mode and r.get("ttfb_ms_p99")]
+            for arrival in sorted({r["arrival"] for r in rows}):  # Poisson, burst: what ran
+                level = [r for r in rows if r["arrival"] == arrival]
+                for q in ("p50", "p99"):
+                    axis.plot([r["concurrency"] for r in level],
+                              [r[f"ttfb_ms_{q}"] for r in level], style, marker="o",
+                              label=f"{label} {arrival} TTFB {q}")
         axis.axhline(TTFB_P99_LIMIT_MS, color="grey", linestyle=":")
-        axis.set(xscale="log", yscale="log", xlabel="concurrent streams (Poisson)",
+        axis.set(xscale="log", yscale="log", xlabel="concurrent streams",
                  ylabel="TTFB (ms)", title=f"{mode}: engine alone vs Serve + HTTP ({result['gpu']})")
         axis.legend()
     fig.tight_layout()

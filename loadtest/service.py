@@ -8,6 +8,7 @@ replica processes (for their memory and CPU).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# Ray's "View the dashboard at http://127.0.0.1:8265" line in the service's log.
+DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)")
 
 
 def start_service(config: dict[str, Any], base_url: str, log_path: Path,
@@ -45,9 +48,11 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
                     return process
             except httpx.HTTPError:
                 pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the service did not start in {time.monotonic() - started:.0f} s;"
-                                 f" the end of {log_path}:\n{_log_tail(log_path)}")
+            failed = _deploy_failure(log_path)
+            if process.poll() is not None or failed or time.monotonic() > deadline:
+                raise SystemExit(f"the service did not start in {time.monotonic() - started:.0f} s"
+                                 f"{f' ({failed})' if failed else ''}; the end of {log_path}:\n"
+                                 f"{_log_tail(log_path)}")
             if time.monotonic() > next_note:  # a slow start says so (and where it stands)
                 print(f"waiting for the service: {time.monotonic() - started:.0f} s; the log "
                       f"ends:\n{_log_tail(log_path, 5)}", flush=True)
@@ -56,6 +61,38 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
     except BaseException:
         stop_service(process)
         raise
+
+
+def _deploy_failure(log_path: Path) -> str | None:
+    """``app DEPLOY_FAILED: why`` once Serve has given up on an application of the service (a
+    replica whose constructor failed 3 times in a row), read from Serve's REST API on the
+    dashboard that the service's own log names; None while deploying or if it cannot be read.
+    Serve keeps retrying such a replica, so without this the wait would run to its timeout."""
+    text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+    found = DASHBOARD_URL.search(text)
+    if found is None:
+        return None
+    try:
+        reply = httpx.get(f"{found.group(1)}/api/serve/applications/", headers=_ray_auth(),
+                          timeout=5)
+        applications = reply.json().get("applications") or {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    for name, app in applications.items():
+        if app.get("status") == "DEPLOY_FAILED":
+            return f"{name} DEPLOY_FAILED: {str(app.get('message', ''))[:2000]}"
+    return None
+
+
+def _ray_auth() -> dict[str, str]:
+    """The header Ray's token authentication wants (on by default since Ray 2.5x): the token
+    from ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``,
+    where a new local cluster saves the one it generates. Empty when there is none."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not token and path.is_file():
+        token = path.read_text(encoding="utf-8").strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:

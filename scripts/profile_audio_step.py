@@ -3,8 +3,10 @@
 
 For each one-query attention kernel (``--attention``), attention span (the whole cache and
 the shorter spans the engine captures) and batch size it replays :func:`audio_window` as a CUDA
-graph (``--steps`` frames per replay, every row active at position ``--position``) and reports
-milliseconds per frame; then it profiles one eager frame at the smallest and largest batch with
+graph (``--steps`` frames per replay, every row active at position ``--position``, or with
+``--spread-positions`` at positions spread evenly up to it, where a kernel that reads only each
+row's own keys can skip blocks) and reports milliseconds per frame; a shape that fails (a
+compile error, say) is recorded with its error and the rest still run. Then it profiles one eager frame at the smallest and largest batch with
 ``torch.profiler`` and lists the kernels that take the most GPU time. The difference between these numbers and the
 engine's milliseconds per step (``scripts/bench_engine.py``) is what the step loop adds.
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,9 +37,13 @@ def packed_rows(batch: int, args, num_vq: int, device) -> AudioStepInputs:
     def column(value) -> torch.Tensor:
         return torch.full((batch,), value, dtype=torch.long)
 
+    if args.spread_positions:  # row i of B at about (i + 1) / B of the way to --position
+        position = (torch.arange(1, batch + 1) * args.position) // batch
+    else:
+        position = column(args.position)
     return AudioStepInputs(
         active=column(1), bos=column(0), frame=torch.randint(0, 600, (batch, num_vq)),
-        position=column(args.position), text_len=column(100), call_frames=column(10),
+        position=position, text_len=column(100), call_frames=column(10),
         eos_after=column(NEVER), warp=column(1), seed=torch.arange(batch), counter=column(7),
         greedy=column(0), steps_left=column(args.steps)).to(device)
 
@@ -67,12 +72,23 @@ def elapsed_ms(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def time_window(tts, cache: SlotKVCache, rows: torch.Tensor, batch: int, span: int, args) -> float:
+    """Milliseconds per frame of the audio window of ``batch`` rows over ``span`` keys, replayed
+    as a CUDA graph."""
+    packed = packed_rows(batch, args, tts.config.num_vq, cache.keys[0].device)
+    forward = lambda b: audio_window(tts, cache, packed, rows[:b], True, args.steps, span)  # noqa: E731
+    graph, _ = capture_per_bucket([batch], forward)[batch]
+    return elapsed_ms(graph.replay, args.repeats) / args.steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64, 128, 256, 512])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--positions", type=int, default=1024, help="cache positions per slot")
     parser.add_argument("--position", type=int, default=600, help="where every row is")
+    parser.add_argument("--spread-positions", action="store_true",
+                        help="rows at positions spread evenly from the start up to --position")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul", "flex"],
                         help="one-query attention kernels to compare (layers.set_one_query_attention)")
@@ -90,7 +106,8 @@ def main() -> None:
     peak = 3.35e12 if "H100" in gpu else 4.8e12
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "steps_per_window": args.steps, "cache_positions": args.positions,
-              "row_position": args.position, "batches": []}
+              "row_position": args.position, "spread_positions": args.spread_positions,
+              "batches": []}
     torch.set_grad_enabled(False)
     spans = sorted({args.positions + 1} | {s for s in key_count_buckets(args.positions + 1)
                                             if s > args.position + args.steps})
@@ -99,30 +116,32 @@ def main() -> None:
             layers.set_one_query_attention(tts, attention)
             for span in spans:
                 for batch in args.batches:
-                    packed = packed_rows(batch, args, tts.config.num_vq, device)
-                    forward = lambda b, p=packed, n=span: audio_window(  # noqa: E731
-                        tts, cache, p, rows[:b], True, args.steps, n)
-                    graphs = capture_per_bucket([batch], forward)
-                    graph, _ = graphs[batch]
-                    graph_ms = elapsed_ms(graph.replay, args.repeats)
                     row = {"attention": attention, "span": span, "batch": batch,
-                           "graph_ms_per_frame": graph_ms / args.steps,
                            "kv_bytes_per_frame": cache.bytes_per_slot * batch * span / (args.positions + 1)}
                     row["kv_read_ms_at_peak_est"] = row["kv_bytes_per_frame"] / peak * 1000
+                    try:
+                        row["graph_ms_per_frame"] = time_window(tts, cache, rows, batch, span, args)
+                    except Exception as error:  # noqa: BLE001 - recorded, and the next shape runs
+                        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                     result["batches"].append(row)
                     print(json.dumps(row), flush=True)
-                    del graphs, graph
 
         result["profile_one_frame"] = []
         for attention in args.attention:
             layers.set_one_query_attention(tts, attention)
             for batch in (min(args.batches), max(args.batches)):
                 packed = packed_rows(batch, args, tts.config.num_vq, device)
-                audio_window(tts, cache, packed, rows[:batch], True, 1)
-                torch.cuda.synchronize()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                try:
                     audio_window(tts, cache, packed, rows[:batch], True, 1)
                     torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        audio_window(tts, cache, packed, rows[:batch], True, 1)
+                        torch.cuda.synchronize()
+                except Exception as error:  # noqa: BLE001 - recorded, and the next one runs
+                    result["profile_one_frame"].append(
+                        {"attention": attention, "batch": batch,
+                         "error": f"{type(error).__name__}: {str(error)[:300]}"})
+                    continue
                 result["profile_one_frame"].append(kernel_table(prof, attention, batch))
     tag = gpu.split()[1].lower() if len(gpu.split()) > 1 else "gpu"
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"audio-step-{tag}.json"

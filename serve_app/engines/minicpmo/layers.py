@@ -202,16 +202,28 @@ def one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 FLEX_KEY_BLOCK = 128  # keys per block of the flex block mask (FlexAttention's default)
+# Compiled shapes the flex kernel may have: one per captured batch bucket and attention span
+# (tens in the engine), far above dynamo's default of 8 recompiles per function.
+FLEX_COMPILED_SHAPES = 512
 
 
 @functools.cache
 def _flex_kernel():
     """:func:`_flex_one_query` compiled where FlexAttention runs as a fused kernel (CUDA); the
     block mask is built inside the compiled function, so a new mask each step is new data, not
-    new code (compiled once per shape, then with the changing sizes made dynamic, torch's
-    default). On CPU the eager form (every score materialized: the reference the tests use)."""
+    new code. Compiled with static shapes, once per (batch, span) the engine captures: the
+    dynamic form torch switches to after a second shape ran 14-22x slower on an H100 and failed
+    to lower at a 1024-key span (docs/benchmarks/README.md, "Decode attention"). On CPU the
+    eager form (every score materialized: the reference the tests use)."""
     if torch.cuda.is_available():
-        return torch.compile(_flex_one_query)
+        compiled = torch.compile(_flex_one_query, dynamic=False)
+
+        def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                attend: torch.Tensor) -> torch.Tensor:
+            with torch._dynamo.config.patch(recompile_limit=FLEX_COMPILED_SHAPES):
+                return compiled(q, keys, values, attend)
+
+        return run
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
                             category=UserWarning)
     return _flex_one_query

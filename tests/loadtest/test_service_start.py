@@ -1,0 +1,28 @@
+"""loadtest/service.py's start of `serve run`: a service whose synthesizer can never start (a
+model path that does not exist) is reported as failed once Serve gives up on it, with Serve's
+reason, instead of being waited on until the timeout (Serve itself keeps retrying it)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from loadtest.local_cluster import free_ports
+from loadtest.service import ROOT, start_service
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_synthesizer_that_cannot_start_fails_the_start_with_serves_reason(tmp_path):
+    config = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text(encoding="utf-8"))
+    [port] = free_ports(1)
+    config["http_options"]["port"] = port
+    [app] = config["applications"]
+    app["args"]["engine_options"]["model_path"] = str(tmp_path / "no-such-voice.onnx")
+    log = tmp_path / "serve.log"
+    with pytest.raises(SystemExit) as failed:
+        # Far longer than the failure takes: the start must end on Serve's verdict, not on this.
+        start_service(config, f"http://127.0.0.1:{port}", log, ready_timeout_s=1800)
+    message = str(failed.value)
+    assert "DEPLOY_FAILED" in message
+    assert "no-such-voice.onnx" in message
