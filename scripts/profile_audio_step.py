@@ -6,9 +6,10 @@ the shorter spans the engine captures) and batch size it replays :func:`audio_wi
 graph (``--steps`` frames per replay, every row active at position ``--position``, or with
 ``--spread-positions`` at positions spread evenly up to it, where a kernel that reads only each
 row's own keys can skip blocks) and reports milliseconds per frame; a shape that fails (a
-compile error, say) is recorded with its error and the rest still run. Then it profiles one eager frame at the smallest and largest batch with
-``torch.profiler`` and lists the kernels that take the most GPU time. The difference between these numbers and the
-engine's milliseconds per step (``scripts/bench_engine.py``) is what the step loop adds.
+compile error, say) is recorded with its error and the rest still run. Then it profiles one
+eager frame at the smallest and largest batch with ``torch.profiler`` and lists the kernels
+that take the most GPU time. The difference between these numbers and the engine's
+milliseconds per step (``scripts/bench_engine.py``) is what the step loop adds.
 
 Example: python scripts/profile_audio_step.py --batches 1 64 128 256 512 --steps 5
 """
