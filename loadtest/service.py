@@ -80,7 +80,13 @@ def _deploy_failure(log_path: Path) -> str | None:
         return None
     for name, app in applications.items():
         if app.get("status") == "DEPLOY_FAILED":
-            return f"{name} DEPLOY_FAILED: {str(app.get('message', ''))[:2000]}"
+            # The app's message names the deployments; each failed one's holds its traceback,
+            # whose end says what failed.
+            whys = [str(app.get("message", ""))] + [
+                f"{deployment}: {str(details.get('message', ''))[-1500:]}"
+                for deployment, details in (app.get("deployments") or {}).items()
+                if details.get("status") == "DEPLOY_FAILED"]
+            return f"{name} DEPLOY_FAILED: {' '.join(whys)}"
     return None
 
 
