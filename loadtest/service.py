@@ -40,6 +40,7 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
     started = time.monotonic()
     deadline = started + ready_timeout_s
     next_note = started + 60
+    dashboard: str | None = None  # Serve's REST API, once the log names it
     try:
         while True:
             try:
@@ -48,7 +49,8 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
                     return process
             except httpx.HTTPError:
                 pass
-            failed = _deploy_failure(log_path)
+            dashboard = dashboard or _dashboard_url(log_path)
+            failed = _deploy_failure(dashboard) if dashboard else None
             if process.poll() is not None or failed or time.monotonic() > deadline:
                 raise SystemExit(f"the service did not start in {time.monotonic() - started:.0f} s"
                                  f"{f' ({failed})' if failed else ''}; the end of {log_path}:\n"
@@ -63,18 +65,20 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         raise
 
 
-def _deploy_failure(log_path: Path) -> str | None:
-    """``app DEPLOY_FAILED: why`` once Serve has given up on an application of the service (a
-    replica whose constructor failed 3 times in a row), read from Serve's REST API on the
-    dashboard that the service's own log names; None while deploying or if it cannot be read.
-    Serve keeps retrying such a replica, so without this the wait would run to its timeout."""
+def _dashboard_url(log_path: Path) -> str | None:
+    """The dashboard the service's own log names (its Ray's, not another one's), or None yet."""
     text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
     found = DASHBOARD_URL.search(text)
-    if found is None:
-        return None
+    return found.group(1) if found else None
+
+
+def _deploy_failure(dashboard: str) -> str | None:
+    """``app DEPLOY_FAILED: why`` once Serve has given up on an application of the service (a
+    replica whose constructor failed 3 times in a row), read from Serve's REST API on
+    ``dashboard``; None while deploying or if it cannot be read. Serve keeps retrying such a
+    replica, so without this the wait would run to its timeout."""
     try:
-        reply = httpx.get(f"{found.group(1)}/api/serve/applications/", headers=_ray_auth(),
-                          timeout=5)
+        reply = httpx.get(f"{dashboard}/api/serve/applications/", headers=_ray_auth(), timeout=5)
         applications = reply.json().get("applications") or {}
     except (httpx.HTTPError, ValueError):
         return None

@@ -55,7 +55,12 @@ VOICE_PREFIX_BUCKETS = (0, 256, 1024)
 def fits_one_pass(lengths: Sequence[int], budget: int) -> bool:
     """Prompts of ``lengths`` fit one prefill pass of ``budget`` padded tokens (the prompts
     times the longest); a single prompt always does, however long."""
-    return len(lengths) <= 1 or len(lengths) * max(lengths) <= budget
+    return pass_fits(len(lengths), max(lengths, default=0), budget)
+
+
+def pass_fits(prompts: int, longest: int, budget: int) -> bool:
+    """:func:`fits_one_pass` from the count of prompts and the longest one's length."""
+    return prompts <= 1 or prompts * longest <= budget
 
 
 class ModelRunner:

@@ -28,7 +28,7 @@ from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel
 from .options import EngineOptions
 from .output import StreamingAudioJoiner, emit, join_decoded, send
-from .runner import ModelRunner, fits_one_pass
+from .runner import ModelRunner, pass_fits
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
 from .voices import VoiceTable, prefix_length
@@ -143,13 +143,16 @@ class StepLoop:
         a larger admission spreads over the next steps instead of stalling this one, as vLLM's
         token budget per step does."""
         prompts: list[list[int]] = []
+        longest = 0  # of prompts: the pass is len(prompts) x longest tokens
 
         def fits(stream: Stream) -> bool:
+            nonlocal longest
             ids = self._prompt_ids(stream)
-            if not fits_one_pass([len(p) for p in prompts] + [len(ids)],
-                                 self.options.prefill_tokens):
+            if not pass_fits(len(prompts) + 1, max(longest, len(ids)),
+                             self.options.prefill_tokens):
                 return False
             prompts.append(ids)
+            longest = max(longest, len(ids))
             return True
 
         admitted = self.scheduler.admit(step, fits)
