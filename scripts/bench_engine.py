@@ -80,15 +80,21 @@ def percentile(values: list[float], q: float) -> float | None:
 def stream_is_realtime(arrivals: list[tuple[float, int]]) -> bool:
     """A player starting at the first byte never runs dry: each chunk arrives before the audio
     already received has played out."""
+    return bool(arrivals) and longest_stall_s(arrivals) <= 1e-3
+
+
+def longest_stall_s(arrivals: list[tuple[float, int]]) -> float:
+    """How long a player starting at the first byte waits, at its worst, for a chunk after the
+    audio it holds has played out (0: it never runs dry; a player that does not pause would
+    fall behind by this much at that chunk)."""
     if not arrivals:
-        return False
+        return 0.0
     start = arrivals[0][0]
-    buffered_s = 0.0
+    buffered_s = worst = 0.0
     for at, samples in arrivals:
-        if at - start > buffered_s + 1e-3:
-            return False
+        worst = max(worst, at - start - buffered_s)
         buffered_s += samples / SAMPLE_RATE
-    return True
+    return worst
 
 
 def voice_id(index: int) -> str:
@@ -158,6 +164,7 @@ async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float
             "total_s": done - submitted, "audio_s": audio_s,
             "rtf": (done - submitted) / audio_s if audio_s else None,
             "realtime": stream_is_realtime(arrivals), "chunks": len(arrivals),
+            "stall_ms": longest_stall_s(arrivals) * 1000,
             "chunk_times_ms": [round((t - submitted) * 1000, 1) for t, _ in arrivals]}
 
 
@@ -198,6 +205,10 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     gaps = [max(b - a for a, b in zip(r["chunk_times_ms"], r["chunk_times_ms"][1:]))
             for r in results if len(r["chunk_times_ms"]) > 1]
     realtime_share = sum(r["realtime"] for r in results) / len(results)
+    stalls = [r["stall_ms"] for r in results if r["ttfb_ms"] is not None]
+    steps_run = engine.step_log(started)
+    step_ms = [record.seconds * 1000 for record in steps_run]
+    queue_ms = [wait * 1000 for record in steps_run for wait in record.queue_waits_s]
     summary = {
         "mode": mode, "arrival": arrival, "concurrency": concurrency, "requests": total,
         "voices": getattr(args, "voices", 0),
@@ -205,6 +216,13 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "ttfb_ms_p99": percentile(ttfbs, 99), "rtf_p50": percentile(rtfs, 50),
         "realtime_share": realtime_share,
         "longest_gap_ms_p50": percentile(gaps, 50), "longest_gap_ms_p99": percentile(gaps, 99),
+        # What a tail is made of: the engine's step times (a spike delays every stream), each
+        # stream's wait from submission to admission (its share of TTFB before any work), and
+        # each stream's worst stall, where a player would run dry (0 for a real-time stream).
+        "step_ms_p50": percentile(step_ms, 50), "step_ms_p99": percentile(step_ms, 99),
+        "step_ms_max": max(step_ms, default=None),
+        "queue_wait_ms_p50": percentile(queue_ms, 50), "queue_wait_ms_p99": percentile(queue_ms, 99),
+        "stall_ms_p99": percentile(stalls, 99), "stall_ms_max": max(stalls, default=None),
         "audio_seconds_per_second": sum(r["audio_s"] for r in results) / wall,
         "wall_s": wall, "engine_steps": steps, "ms_per_step": wall * 1000 / max(steps, 1),
         # Time inside steps only (idle waits between arrivals left out): the figure
@@ -240,6 +258,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             cuda_graphs=not args.no_graphs and max_slots > 1,
                             steps_per_sync=args.steps_per_sync,
                             one_query_attention=args.one_query_attention,
+                            decode_tf32=getattr(args, "decode_tf32", False),
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
@@ -448,6 +467,8 @@ def main() -> None:
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
     parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
+    parser.add_argument("--decode-tf32", action="store_true",
+                        help="DVAE + Vocos on TF32 tensor cores instead of IEEE fp32 (EngineOptions)")
     parser.add_argument("--prefill-tokens", type=int, default=EngineOptions.prefill_tokens,
                         help="padded prompt tokens admitted and prefilled per step (EngineOptions)")
     parser.add_argument("--overlap-llm-step", action="store_true",

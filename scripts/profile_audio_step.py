@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -82,6 +83,41 @@ def time_window(tts, cache: SlotKVCache, rows: torch.Tensor, batch: int, span: i
     return elapsed_ms(graph.replay, args.repeats) / args.steps
 
 
+def time_decode(decoder, batches: list[int], frames: int, repeats: int) -> list[dict]:
+    """The DVAE + Vocos decode of ``batch`` pieces of ``frames`` code frames, replayed as a CUDA
+    graph, in IEEE fp32 (the engine's default), on TF32 tensor cores (``decode_tf32``) and in
+    bf16; the error of each against IEEE fp32 as RMS relative to the signal."""
+    import copy
+
+    variants = {"fp32": decoder, "tf32": copy.deepcopy(decoder),
+                "bf16": copy.deepcopy(decoder).to(torch.bfloat16)}
+    variants["tf32"].allow_tf32 = True
+    rows = []
+    for batch in batches:
+        generator = torch.Generator().manual_seed(batch)
+        codes = torch.randint(0, 625, (batch, frames, 4), generator=generator).to(decoder.device)
+        reference = None
+        for name, variant in variants.items():
+            forward = lambda b, v=variant: v.mel_to_audio(v.codes_to_mel(codes[:b]))  # noqa: E731
+            row = {"decode": name, "batch": batch, "frames": frames}
+            try:
+                graph, out = capture_per_bucket([batch], forward)[batch]
+                row["graph_ms"] = elapsed_ms(graph.replay, repeats)
+            except Exception as error:  # noqa: BLE001 - recorded, and the next one runs
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            wave = out.float()
+            if reference is None:
+                reference = wave.clone()
+            row["rms_error_relative"] = float((wave - reference).pow(2).mean().sqrt()
+                                              / reference.pow(2).mean().sqrt())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 64, 128, 256, 512])
@@ -94,6 +130,16 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul", "flex"],
                         help="one-query attention kernels to compare (layers.set_one_query_attention)")
     parser.add_argument("--tts-tokenizer", default=str(ROOT / "tests" / "golden" / "chattts_tokenizer"))
+    parser.add_argument("--spans", nargs="+", type=int, default=None,
+                        help="only these attention spans (default: every captured span that "
+                             "holds the rows, and the whole cache)")
+    parser.add_argument("--no-kernel-profile", action="store_true",
+                        help="skip the eager one-frame profile at the smallest and largest batch")
+    parser.add_argument("--decode-batches", nargs="*", type=int, default=[],
+                        help="also time the DVAE + Vocos decode of this many pieces at once "
+                             "(fp32, tf32, bf16), e.g. 16 64")
+    parser.add_argument("--decode-frames", type=int, default=29,
+                        help="code frames per decoded piece (25 new + 4 of context)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -109,9 +155,18 @@ def main() -> None:
               "steps_per_window": args.steps, "cache_positions": args.positions,
               "row_position": args.position, "spread_positions": args.spread_positions,
               "batches": []}
+    tag = gpu.split()[1].lower() if len(gpu.split()) > 1 else "gpu"
+    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"audio-step-{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every row, so a run cut short keeps what it measured
+        out.write_text(json.dumps(result, indent=2))
+
     torch.set_grad_enabled(False)
     spans = sorted({args.positions + 1} | {s for s in key_count_buckets(args.positions + 1)
                                             if s > args.position + args.steps})
+    if args.spans:
+        spans = [s for s in spans if s in args.spans]
     with torch.inference_mode():
         for attention in args.attention:
             layers.set_one_query_attention(tts, attention)
@@ -121,14 +176,17 @@ def main() -> None:
                            "kv_bytes_per_frame": cache.bytes_per_slot * batch * span / (args.positions + 1)}
                     row["kv_read_ms_at_peak_est"] = row["kv_bytes_per_frame"] / peak * 1000
                     try:
+                        captured = time.perf_counter()
                         row["graph_ms_per_frame"] = time_window(tts, cache, rows, batch, span, args)
+                        row["capture_and_time_s"] = round(time.perf_counter() - captured, 1)
                     except Exception as error:  # noqa: BLE001 - recorded, and the next shape runs
                         row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                     result["batches"].append(row)
+                    save()
                     print(json.dumps(row), flush=True)
 
         result["profile_one_frame"] = []
-        for attention in args.attention:
+        for attention in [] if args.no_kernel_profile else args.attention:
             layers.set_one_query_attention(tts, attention)
             for batch in (min(args.batches), max(args.batches)):
                 packed = packed_rows(batch, args, tts.config.num_vq, device)
@@ -144,10 +202,10 @@ def main() -> None:
                          "error": f"{type(error).__name__}: {str(error)[:300]}"})
                     continue
                 result["profile_one_frame"].append(kernel_table(prof, attention, batch))
-    tag = gpu.split()[1].lower() if len(gpu.split()) > 1 else "gpu"
-    out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"audio-step-{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+        if args.decode_batches:
+            result["decode"] = time_decode(model.decoder, args.decode_batches, args.decode_frames,
+                                           args.repeats)
+    save()
     print(f"wrote {out}")
 
 

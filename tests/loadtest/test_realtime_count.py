@@ -1,7 +1,7 @@
 """How scripts/bench_engine.py counts real-time streams: a level counts only when every arrival
 measured at it was real-time (a burst that passes does not make up for a Poisson run that fails)."""
 
-from scripts.bench_engine import realtime_streams
+from scripts.bench_engine import SAMPLE_RATE, longest_stall_s, realtime_streams, stream_is_realtime
 
 
 def _row(concurrency: int, arrival: str, ok: bool) -> dict:
@@ -20,3 +20,13 @@ def test_no_level_realtime_leaves_the_single_stream_floor():
     rows = [_row(32, "poisson", False)]
     assert realtime_streams(rows, floor=1) == 1
     assert realtime_streams(rows) == 0
+
+
+def test_a_stream_stalls_when_a_chunk_comes_after_the_audio_it_holds_has_played():
+    half_second = SAMPLE_RATE // 2
+    on_time = [(10.0, half_second), (10.4, half_second), (10.9, half_second)]
+    assert longest_stall_s(on_time) == 0.0 and stream_is_realtime(on_time)
+    late = [(10.0, half_second), (10.7, half_second), (11.0, half_second), (11.8, half_second)]
+    # played out at 10.5 (0.2 s late), then at 11.5 (0.3 s late): the worst stall is 0.3 s
+    assert abs(longest_stall_s(late) - 0.3) < 1e-9 and not stream_is_realtime(late)
+    assert longest_stall_s([]) == 0.0 and not stream_is_realtime([])

@@ -39,7 +39,7 @@ from .quantization import resolve_mode
 from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
-from .step_loop import StepLoop
+from .step_loop import StepLoop, StepRecord
 from .voices import DEFAULT_VOICE, VoiceTable, VoiceTurn, check_voice_id, voice_turn
 from .text import (
     GENERATION_PROMPT,
@@ -87,6 +87,7 @@ class MiniCPMOEngine(SubmitsIterators):
         self._terminators = chat.terminators
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
                                     options.admission_interval_steps)
+        model.decoder.allow_tf32 = options.decode_tf32  # before the runner captures the decode
         self._runner = create_runner(model, options, chat.penalty_width)
         # Voice cloning needs the audio encoder (loaded when ``options.voices`` is on).
         self.clones_voices = clones_voices(model, options)
@@ -319,6 +320,11 @@ class MiniCPMOEngine(SubmitsIterators):
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent in each phase of the step so far (only with ``profile_phases``)."""
         return self._loop.phase_seconds()
+
+    def step_log(self, since_s: float = 0.0) -> list[StepRecord]:
+        """The engine's recent steps (the last ``STEP_LOG_LENGTH``) that began at or after
+        ``since_s`` (``time.perf_counter()``), oldest first."""
+        return [record for record in self._loop.step_log.copy() if record.started_s >= since_s]
 
     def warmup(self) -> None:
         """Run one short read request through every stage."""

@@ -41,6 +41,9 @@ class EngineOptions:
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
+    # DVAE + Vocos decode on CUDA: fp32 convolutions and matmuls on TF32 tensor cores instead of
+    # IEEE fp32 (the default, upstream's output to 1e-6); see docs/benchmarks/README.md
+    decode_tf32: bool = False
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     # padded prompt tokens (prompts x the longest) admitted and prefilled per engine step, as

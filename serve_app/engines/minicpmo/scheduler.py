@@ -52,6 +52,7 @@ class Stream:
     plan: StreamPlan
     sink: OutputSink  # where its chunks go (Engine.submit_to)
     submitted_at: float
+    admitted_at: float | None = None  # when it got its slot (time.perf_counter())
     fed_text: StreamedText | None = None  # streamed input: written by callers under the lock
     voice: VoicePrefix | None = None  # a cloned voice, held from submission to the end
     schedule: SpeechSchedule | None = None

@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +35,18 @@ from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, Tex
 from .voices import VoiceTable, prefix_length
 
 logger = logging.getLogger(__name__)
+
+STEP_LOG_LENGTH = 100_000  # steps kept in the step log (a few minutes of a busy engine)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for benchmarks that ask what a tail latency is made of."""
+
+    started_s: float  # time.perf_counter() when the step began
+    seconds: float  # how long it ran
+    generating: int  # streams that got audio frames in it
+    queue_waits_s: tuple[float, ...]  # each stream admitted in it: submission to admission
 
 
 class StepLoop:
@@ -55,6 +68,9 @@ class StepLoop:
         self._phase_s: dict[str, float] = collections.defaultdict(float)
         self._faults = FaultInjection.from_options(options.fault_injection)
         self._step_counter = itertools.count()
+        self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_LENGTH)
+        self._step_admitted: list[Stream] = []
+        self._step_generating = 0
         self._outbox = Outbox()  # this step's chunks and errors, delivered when it ends
         self._wake = threading.Event()
         self._stop = False
@@ -91,7 +107,12 @@ class StepLoop:
                 for stream in self.scheduler.running():
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
             self._outbox.deliver()
-            self.scheduler.count_step_time(time.perf_counter() - started_s)
+            seconds = time.perf_counter() - started_s
+            self.scheduler.count_step_time(seconds)
+            self.step_log.append(StepRecord(
+                started_s, seconds, self._step_generating,
+                tuple(s.admitted_at - s.submitted_at for s in self._step_admitted)))
+            self._step_admitted, self._step_generating = [], 0
 
     def _phase(self, name: str, started: float) -> float:
         """Account the time since ``started`` to phase ``name`` (synchronising when profiling)."""
@@ -134,6 +155,7 @@ class StepLoop:
             self._collect_chat_text(*launched)
             self._phase("llm_decode", t)
         self.scheduler.count_step(len(generating))
+        self._step_generating = len(generating)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -158,6 +180,10 @@ class StepLoop:
         admitted = self.scheduler.admit(step, fits)
         if not admitted:
             return
+        now = time.perf_counter()
+        for stream in admitted:
+            stream.admitted_at = now
+        self._step_admitted = admitted
         for stream in admitted:
             self.runner.clear_tts_slot(stream.slot)
         try:

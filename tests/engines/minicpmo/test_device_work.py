@@ -48,6 +48,32 @@ def test_device_work_counts_what_the_engine_did(engine) -> None:
     assert work["text_prefill_passes"] >= 2 and work["text_prefill_key_reads"] > 0
 
 
+def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
+    """The step log (read by scripts/bench_engine.py to say what a tail is made of): one record
+    per step, in order, each stream's wait for admission in the step that admitted it."""
+    import time
+
+    since = time.perf_counter()
+    before = engine.stats().steps
+
+    async def run() -> None:
+        streams = engine.submit([SpeechRequest(f"log-{i}", "Logging the steps.", lengths=FRAMES)
+                                 for i in range(3)])
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())
+    log = engine.step_log(since)
+    assert len(log) == engine.stats().steps - before
+    assert [r.started_s for r in log] == sorted(r.started_s for r in log)
+    waits = [wait for record in log for wait in record.queue_waits_s]
+    assert len(waits) == 3 and all(wait >= 0 for wait in waits)
+    assert all(record.seconds > 0 for record in log)
+    assert max(record.generating for record in log) >= 1
+    assert engine.step_log(time.perf_counter()) == []
+
+
 def test_prefill_token_budget_spreads_admissions_over_passes(tiny_checkpoint) -> None:
     """Streams queued together are admitted while their prompts fit one prefill pass of
     ``prefill_tokens`` padded tokens: a budget of one token admits one stream a step (a pass
