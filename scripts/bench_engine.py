@@ -258,7 +258,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             cuda_graphs=not args.no_graphs and max_slots > 1,
                             steps_per_sync=args.steps_per_sync,
                             one_query_attention=args.one_query_attention,
-                            decode_tf32=getattr(args, "decode_tf32", False),
+                            decode_dtype=getattr(args, "decode_dtype", EngineOptions.decode_dtype),
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
@@ -467,8 +467,9 @@ def main() -> None:
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
     parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
-    parser.add_argument("--decode-tf32", action="store_true",
-                        help="DVAE + Vocos on TF32 tensor cores instead of IEEE fp32 (EngineOptions)")
+    parser.add_argument("--decode-dtype", choices=["float32", "bfloat16"],
+                        default=EngineOptions.decode_dtype,
+                        help="DVAE + Vocos weights and activations (EngineOptions)")
     parser.add_argument("--prefill-tokens", type=int, default=EngineOptions.prefill_tokens,
                         help="padded prompt tokens admitted and prefilled per step (EngineOptions)")
     parser.add_argument("--overlap-llm-step", action="store_true",

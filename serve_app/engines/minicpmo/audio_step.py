@@ -205,7 +205,7 @@ class AudioStepGraphs:
     """
 
     def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
-                 steps: int = 1) -> None:
+                 steps: int = 1, whole_span_only: bool = False) -> None:
         self.tts = tts
         self.cache = cache
         self.steps = steps
@@ -216,7 +216,10 @@ class AudioStepGraphs:
         self.host = torch.zeros(slots, columns, dtype=torch.long).pin_memory()
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
-        self.spans = key_count_buckets(cache.max_positions + 1)
+        # Attention that skips the key blocks each row cannot see (flex) needs no shorter spans:
+        # one graph per batch bucket, a quarter of the captures (each a compile, for flex).
+        self.spans = ([cache.max_positions + 1] if whole_span_only
+                      else key_count_buckets(cache.max_positions + 1))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture_all(self) -> None:

@@ -34,7 +34,7 @@ from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel, load_speech_model
-from .options import EngineOptions, clones_voices
+from .options import DECODE_DTYPES, EngineOptions, clones_voices
 from .quantization import resolve_mode
 from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
@@ -87,7 +87,7 @@ class MiniCPMOEngine(SubmitsIterators):
         self._terminators = chat.terminators
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
                                     options.admission_interval_steps)
-        model.decoder.allow_tf32 = options.decode_tf32  # before the runner captures the decode
+        model.decoder.to(DECODE_DTYPES[options.decode_dtype])  # before the runner captures it
         self._runner = create_runner(model, options, chat.penalty_width)
         # Voice cloning needs the audio encoder (loaded when ``options.voices`` is on).
         self.clones_voices = clones_voices(model, options)

@@ -12,12 +12,37 @@ def bucket_sizes(limit: int) -> list[int]:
     return sorted({min(2 ** i, limit) for i in range(20) if 2 ** i < 2 * limit})
 
 
-def capture_per_bucket(buckets: list[int], forward: Callable[[int], object]
+def separate_capture_stream() -> torch.cuda.Stream:
+    """A capture stream for graphs that replay *while* graphs captured the default way run.
+
+    cuBLAS (and cuBLASLt) pick their workspace per stream, and a captured matmul bakes in the
+    workspace of the stream it was captured on (torch 2.11; pytorch/pytorch#193402). Graphs
+    captured on one stream therefore share one workspace, and two of them replayed at the same
+    time on two streams run matmuls that scribble over each other's workspace: on an H100 the
+    engine's overlapped LLM step hung its audio window that way (docs/benchmarks/README.md,
+    "The overlapped chat LLM step"). Streams come from a small pool that torch hands out in
+    turn, so this takes the first that is not the default capture stream.
+    """
+    default = torch.cuda.graph.default_capture_stream
+    if default is None:  # made with the first graph; make it now so the two differ
+        torch.cuda.graph(torch.cuda.CUDAGraph())
+        default = torch.cuda.graph.default_capture_stream
+    for _ in range(256):
+        stream = torch.cuda.Stream()
+        if stream.cuda_stream != default.cuda_stream:
+            return stream
+    raise RuntimeError("no CUDA stream other than the default capture stream")
+
+
+def capture_per_bucket(buckets: list[int], forward: Callable[[int], object],
+                       capture_stream: torch.cuda.Stream | None = None
                        ) -> dict[int, tuple[torch.cuda.CUDAGraph, object]]:
     """Warm ``forward(bucket)`` up on a side stream, then capture one graph per bucket.
 
-    Graphs are captured largest first into one shared memory pool. Returns
-    ``{bucket: (graph, output)}``; replaying a graph rewrites its output in place.
+    Graphs are captured largest first into one shared memory pool, on ``capture_stream``
+    (default: torch's default capture stream; see :func:`separate_capture_stream` for graphs
+    that run beside others). Returns ``{bucket: (graph, output)}``; replaying a graph rewrites
+    its output in place.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -30,7 +55,7 @@ def capture_per_bucket(buckets: list[int], forward: Callable[[int], object]
     with torch.inference_mode():
         for bucket in sorted(buckets, reverse=True):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 out = forward(bucket)
             pool = graph.pool()
             graphs[bucket] = (graph, out)

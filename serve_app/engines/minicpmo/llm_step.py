@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .graphs import bucket_sizes, capture_per_bucket
+from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream
 from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
 from .modeling import QwenLM
 from .voices import VoicePrefix
@@ -121,7 +121,10 @@ class LLMStepGraphs:
                                True, path)
 
     def capture_all(self) -> None:
-        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
+        # A capture stream of their own: these graphs replay beside the audio window when the
+        # step is overlapped (launch), so they must not share its matmuls' cuBLAS workspace.
+        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward,
+                                    capture_stream=separate_capture_stream())
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
     def _place(self, slots: list[int], x: LLMStepInputs) -> tuple[int, torch.Tensor, str]:

@@ -11,6 +11,9 @@ from .loader import DEFAULT_MODEL_ID
 from .quantization import check_mode as check_quantization
 
 
+DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Engine configuration (``engine_options`` in serve_config.yaml)."""
@@ -41,9 +44,10 @@ class EngineOptions:
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
     one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
-    # DVAE + Vocos decode on CUDA: fp32 convolutions and matmuls on TF32 tensor cores instead of
-    # IEEE fp32 (the default, upstream's output to 1e-6); see docs/benchmarks/README.md
-    decode_tf32: bool = False
+    # DVAE + Vocos weights and activations: float32 (upstream's output to 1e-6) or bfloat16
+    # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "Decode in bf16");
+    # the inverse STFT runs in float32 either way
+    decode_dtype: str = "float32"
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: int = 1  # while streams run, admit every N engine steps
     # padded prompt tokens (prompts x the longest) admitted and prefilled per engine step, as
@@ -60,6 +64,8 @@ class EngineOptions:
         check_quantization(self.quantization)
         if self.one_query_attention not in ONE_QUERY_KERNELS:
             raise ValueError(f"one_query_attention must be one of {ONE_QUERY_KERNELS}")
+        if self.decode_dtype not in DECODE_DTYPES:
+            raise ValueError(f"decode_dtype must be one of {sorted(DECODE_DTYPES)}")
         if self.steps_per_sync < 1:
             raise ValueError("steps_per_sync must be at least 1")
         if not isinstance(self.voices, bool):

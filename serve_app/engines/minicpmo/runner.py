@@ -29,7 +29,13 @@ from .audio_step import (
 )
 from .codec import CONTEXT_FRAMES
 from .decode_graphs import MultiLengthDecodeGraphs
-from .layers import SlotKVCache, StepInputs, fuse_projections, set_one_query_attention
+from .layers import (
+    FLEX_KEY_BLOCK,
+    SlotKVCache,
+    StepInputs,
+    fuse_projections,
+    set_one_query_attention,
+)
 from .llm_step import (
     LLMPrefillGraphs,
     LLMStepGraphs,
@@ -78,6 +84,7 @@ class ModelRunner:
         # written by the admission prefill, read by every text prefill of the slot's stream
         self.speakers = torch.zeros(options.max_slots, cfg.tts.hidden_size, device=self.device,
                                     dtype=self.dtype)
+        self.options = options
         self.window = options.steps_per_sync
         self.spans = key_count_buckets(options.tts_max_positions + 1)
         # What the device was asked to do, by kind (benchmarks turn it into bytes moved per
@@ -89,7 +96,10 @@ class ModelRunner:
             fuse_projections(model.tts)
             fuse_projections(model.llm)
         set_one_query_attention(model.tts, options.one_query_attention)
-        set_one_query_attention(model.llm, options.one_query_attention)
+        # The chat LLM's decode step reads 15 GB of weights and little cache: flex would only
+        # add a compile per captured shape to the start, so it keeps SDPA.
+        set_one_query_attention(model.llm, "sdpa" if options.one_query_attention == "flex"
+                                else options.one_query_attention)
         if self.device.type == "cuda":
             self._warm_up_int4(model)
 
@@ -287,13 +297,22 @@ class ModelRunner:
         num_vq + 1] on the CPU (see :func:`~.audio_step.audio_window`)."""
         rows = torch.tensor(slots, device=self.device)
         span = attention_span(inputs, self.window, self.spans)
-        self._count_audio_window(len(slots), span)
+        self._count_audio_window(len(slots), span, inputs)
         return audio_window(self.model.tts, self.tts_cache, inputs.to(self.device), rows, False,
                             self.window, span).cpu()
 
-    def _count_audio_window(self, rows: int, span: int) -> None:
+    def _count_audio_window(self, rows: int, span: int, inputs: AudioStepInputs) -> None:
+        """Count a window of ``rows`` (graph padding included) over ``span`` keys. Attention that
+        reads only the key blocks a row can see (flex) reads at most each stream's own blocks
+        up to its last position in the window, whatever the span."""
+        if self.options.one_query_attention == "flex":
+            block = FLEX_KEY_BLOCK
+            last = (inputs.position + self.window).clamp(max=span)
+            key_reads = int(((last + block - 1) // block * block).sum()) * self.window
+        else:
+            key_reads = rows * self.window * span
         self.work.update(audio_windows=1, audio_frame_steps=self.window,
-                         audio_rows=rows * self.window, audio_key_reads=rows * self.window * span)
+                         audio_rows=rows * self.window, audio_key_reads=key_reads)
 
     def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
         """DVAE + Vocos: each piece's code frames to float32 audio (one device-to-host copy)."""
@@ -311,7 +330,8 @@ class GraphModelRunner(ModelRunner):
     def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
         super().__init__(model, options, penalty_width)
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
-        self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window)
+        self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
+                                            whole_span_only=options.one_query_attention == "flex")
         self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device)
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
         self.llm_prefill_graphs = LLMPrefillGraphs(
@@ -364,7 +384,7 @@ class GraphModelRunner(ModelRunner):
 
     def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
         shape = self.audio_graphs.shape(slots, inputs)
-        self._count_audio_window(*shape)
+        self._count_audio_window(*shape, inputs)
         return self.audio_graphs.run(slots, inputs, shape)
 
 

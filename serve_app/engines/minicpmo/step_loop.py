@@ -106,13 +106,13 @@ class StepLoop:
                 logger.exception("engine step failed")
                 for stream in self.scheduler.running():
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
-            self._outbox.deliver()
-            seconds = time.perf_counter() - started_s
-            self.scheduler.count_step_time(seconds)
+            # logged before its audio is delivered, so a caller that has its audio finds the step
             self.step_log.append(StepRecord(
-                started_s, seconds, self._step_generating,
+                started_s, time.perf_counter() - started_s, self._step_generating,
                 tuple(s.admitted_at - s.submitted_at for s in self._step_admitted)))
             self._step_admitted, self._step_generating = [], 0
+            self._outbox.deliver()
+            self.scheduler.count_step_time(time.perf_counter() - started_s)
 
     def _phase(self, name: str, started: float) -> float:
         """Account the time since ``started`` to phase ``name`` (synchronising when profiling)."""
