@@ -237,8 +237,8 @@ def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
 
     batch, length = attend.shape[0], attend.shape[-1]
     count = -(-length // block)
-    visible = F.pad(attend.reshape(batch, length), (0, count * block - length))
-    grouped = visible.view(batch, count, block)
+    visible = attend.reshape(batch, length)
+    grouped = F.pad(visible, (0, count * block - length)).view(batch, count, block)
     seen, whole = grouped.any(dim=-1), grouped.all(dim=-1)
     partial = seen & ~whole
 
@@ -247,6 +247,9 @@ def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
         return (wanted.sum(dim=-1).to(torch.int32)[:, None, None],
                 order.to(torch.int32)[:, None, None, :])
 
+    # The mask reads the unpadded mask: inductor failed to lower a padded one inside the kernel
+    # (a span not a multiple of the block; H100, torch 2.11). Keys past ``length`` in the last
+    # block are outside the keys FlexAttention attends, and its kernel bounds their indices.
     def mask_mod(b, h, q_index, kv_index):
         return visible[b, kv_index]
 
