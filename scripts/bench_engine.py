@@ -223,8 +223,9 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "step_ms_max": max(step_ms, default=None),
         "queue_wait_ms_p50": percentile(queue_ms, 50), "queue_wait_ms_p99": percentile(queue_ms, 99),
         "stall_ms_p99": percentile(stalls, 99), "stall_ms_max": max(stalls, default=None),
+        "gc_ms_total": round(sum(r.gc_s for r in steps_run) * 1000, 1),
         "slowest_steps": [{"ms": round(r.seconds * 1000, 1), "generating": r.generating,
-                           "admitted": len(r.queue_waits_s)}
+                           "admitted": len(r.queue_waits_s), "gc_ms": round(r.gc_s * 1000, 1)}
                           for r in sorted(steps_run, key=lambda r: -r.seconds)[:8]],
         "audio_seconds_per_second": sum(r["audio_s"] for r in results) / wall,
         "wall_s": wall, "engine_steps": steps, "ms_per_step": wall * 1000 / max(steps, 1),

@@ -9,6 +9,7 @@ docs/minicpmo.md.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -89,6 +90,12 @@ class MiniCPMOEngine(SubmitsIterators):
                                     options.admission_interval_steps)
         model.decoder.to(DECODE_DTYPES[options.decode_dtype])  # before the runner captures it
         self._runner = create_runner(model, options, chat.penalty_width)
+        if self._runner.device.type == "cuda":
+            # The model, its graphs and the imports are millions of objects that live as long as
+            # the process: out of the collector's sight, a full collection during a step scans
+            # only what the streams made (as vLLM does after start; one engine per process).
+            gc.collect()
+            gc.freeze()
         # Voice cloning needs the audio encoder (loaded when ``options.voices`` is on).
         self.clones_voices = clones_voices(model, options)
         if options.voices and not self.clones_voices:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import logging
 import threading
@@ -47,6 +48,28 @@ class StepRecord:
     seconds: float  # how long it ran
     generating: int  # streams that got audio frames in it
     queue_waits_s: tuple[float, ...]  # each stream admitted in it: submission to admission
+    gc_s: float = 0.0  # spent in Python's garbage collector during it (any thread's collection)
+
+
+class GarbageCollectionClock:
+    """Seconds Python's cyclic garbage collector has run, from ``gc.callbacks`` (a collection
+    stops every thread: a long one is a step's spike)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._started: float | None = None
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.total_s += time.perf_counter() - self._started
+            self._started = None
+
+    def close(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
 
 
 class StepLoop:
@@ -70,6 +93,7 @@ class StepLoop:
         self._step_counter = itertools.count()
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_LENGTH)
         self._step_admitted: list[Stream] = []
+        self._gc_clock = GarbageCollectionClock()
         self._step_generating = 0
         self._outbox = Outbox()  # this step's chunks and errors, delivered when it ends
         self._wake = threading.Event()
@@ -84,6 +108,7 @@ class StepLoop:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._gc_clock.close()
 
     def trace(self, request_id: str) -> SpeechSchedule | None:
         return self._traces.get(request_id)
@@ -99,6 +124,7 @@ class StepLoop:
                 self._wake.clear()
                 continue
             started_s = time.perf_counter()
+            gc_before_s = self._gc_clock.total_s
             try:
                 with torch.inference_mode():
                     self._step()
@@ -109,7 +135,8 @@ class StepLoop:
             # logged before its audio is delivered, so a caller that has its audio finds the step
             self.step_log.append(StepRecord(
                 started_s, time.perf_counter() - started_s, self._step_generating,
-                tuple(s.admitted_at - s.submitted_at for s in self._step_admitted)))
+                tuple(s.admitted_at - s.submitted_at for s in self._step_admitted),
+                self._gc_clock.total_s - gc_before_s))
             self._step_admitted, self._step_generating = [], 0
             self._outbox.deliver()
             self.scheduler.count_step_time(time.perf_counter() - started_s)

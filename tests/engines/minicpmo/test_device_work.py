@@ -72,6 +72,21 @@ def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
     assert all(record.seconds > 0 for record in log)
     assert max(record.generating for record in log) >= 1
     assert engine.step_log(time.perf_counter()) == []
+    assert all(record.gc_s >= 0 for record in log)
+
+
+def test_garbage_collection_clock_counts_collections_until_closed() -> None:
+    import gc
+
+    from serve_app.engines.minicpmo.step_loop import GarbageCollectionClock
+
+    clock = GarbageCollectionClock()
+    gc.collect()
+    counted = clock.total_s
+    assert counted > 0
+    clock.close()
+    gc.collect()
+    assert clock.total_s == counted
 
 
 def test_prefill_token_budget_spreads_admissions_over_passes(tiny_checkpoint) -> None:
