@@ -600,8 +600,18 @@ def merge_results(results: list[dict]) -> dict:
     merged = dict(results[0])
     merged["command"] = [r["command"] for r in results]
     merged["sweep"] = [row for r in results for row in r["sweep"]]
-    for key in ("single_stream", "max_realtime_streams", "baseline_sequential_eager", "versus_baseline"):
-        merged[key] = {mode: value for r in results for mode, value in r.get(key, {}).items()}
+    for key in ("single_stream", "baseline_sequential_eager", "versus_baseline"):
+        # per mode, the first run that measured it (a run of other levels leaves it empty)
+        merged[key] = {}
+        for r in results:
+            for mode, value in r.get(key, {}).items():
+                measured = not isinstance(value, dict) or any(v is not None for v in value.values())
+                if measured and mode not in merged[key]:
+                    merged[key][mode] = value
+    # each run counts the levels it ran; the merged count is the highest level any run held
+    merged["max_realtime_streams"] = {
+        mode: max(r.get("max_realtime_streams", {}).get(mode, 0) for r in results)
+        for mode in {m for r in results for m in r.get("max_realtime_streams", {})}}
     peaks = [r["peak_gpu_memory_gb"] for r in results if r.get("peak_gpu_memory_gb") is not None]
     merged["peak_gpu_memory_gb"] = max(peaks) if peaks else None
     return merged

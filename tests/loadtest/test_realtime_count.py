@@ -30,3 +30,18 @@ def test_a_stream_stalls_when_a_chunk_comes_after_the_audio_it_holds_has_played(
     # played out at 10.5 (0.2 s late), then at 11.5 (0.3 s late): the worst stall is 0.3 s
     assert abs(longest_stall_s(late) - 0.3) < 1e-9 and not stream_is_realtime(late)
     assert longest_stall_s([]) == 0.0 and not stream_is_realtime([])
+
+
+def test_merging_runs_of_one_mode_keeps_the_measured_single_stream_and_the_highest_count():
+    from scripts.bench_engine import merge_results
+
+    def run(levels, held, single):
+        return {"gpu": "H100", "git_commit": "abc", "command": "c", "peak_gpu_memory_gb": 1.0,
+                "sweep": [_row(c, "poisson", c <= held) for c in levels],
+                "max_realtime_streams": {"chat": held},
+                "single_stream": {"chat": {"ttfb_ms_p50": single, "rtf": None}}}
+
+    merged = merge_results([run([1, 64], 64, 120.0), run([96], 0, None)])
+    assert merged["max_realtime_streams"] == {"chat": 64}
+    assert merged["single_stream"]["chat"]["ttfb_ms_p50"] == 120.0
+    assert [r["concurrency"] for r in merged["sweep"]] == [1, 64, 96]
