@@ -39,11 +39,16 @@ class EngineOptions:
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
     # chat: while audio is generated and no stream waits for text, launch the LLM step before
     # the audio window and take its tokens after it (on CUDA on a stream of its own, so the
-    # two overlap); off until measured on a GPU (docs/benchmarks/README.md, "overlapped")
+    # two overlap; its graphs are captured on a stream of their own, graphs.py): 10-18% off a
+    # chat step at 64 streams on an H100; off by default until it has run longer
+    # (docs/benchmarks/README.md, "The overlapped chat LLM step")
     overlap_llm_step: bool = False
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
-    one_query_attention: str = "sdpa"  # decode-step attention: sdpa | matmul | flex (layers.py)
+    # decode-step attention of the TTS: sdpa | matmul | flex (layers.py). flex reads only the
+    # key blocks each row sees (1.3-1.7x faster audio frames at 128-512 streams on an H100) but
+    # compiles each captured batch shape at start (10-19 s each); the chat LLM keeps sdpa
+    one_query_attention: str = "sdpa"
     # DVAE + Vocos weights and activations: float32 (upstream's output to 1e-6) or bfloat16
     # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "Decode in bf16");
     # the inverse STFT runs in float32 either way
