@@ -50,7 +50,7 @@ class EngineOptions:
     # compiles each captured batch shape at start (10-19 s each); the chat LLM keeps sdpa
     one_query_attention: str = "sdpa"
     # DVAE + Vocos weights and activations: float32 (upstream's output to 1e-6) or bfloat16
-    # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "Decode in bf16");
+    # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "DVAE + Vocos in bf16");
     # the inverse STFT runs in float32 either way
     decode_dtype: str = "float32"
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
