@@ -168,6 +168,24 @@ async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float
             "chunk_times_ms": [round((t - submitted) * 1000, 1) for t, _ in arrivals]}
 
 
+def slow_step(record) -> dict:
+    """One step of the step log, for the JSON: its time, streams, phases and device work."""
+    return {"ms": round(record.seconds * 1000, 1), "generating": record.generating,
+            "admitted": len(record.queue_waits_s), "gc_ms": round(record.gc_s * 1000, 1),
+            "phase_ms": {name: round(s * 1000, 1) for name, s in record.phases_s},
+            "work": dict(record.work)}
+
+
+def step_phase_percentiles(records) -> dict:
+    """Per phase: p50 and p99 over the steps of the time the phase took in a step."""
+    names = sorted({name for record in records for name, _ in record.phases_s})
+    out = {}
+    for name in names:
+        values = [dict(record.phases_s).get(name, 0.0) * 1000 for record in records]
+        out[name] = {"p50": round(percentile(values, 50), 2), "p99": round(percentile(values, 99), 2)}
+    return out
+
+
 async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival: str,
                     args: argparse.Namespace) -> dict:
     rng = random.Random(concurrency)
@@ -224,9 +242,10 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "queue_wait_ms_p50": percentile(queue_ms, 50), "queue_wait_ms_p99": percentile(queue_ms, 99),
         "stall_ms_p99": percentile(stalls, 99), "stall_ms_max": max(stalls, default=None),
         "gc_ms_total": round(sum(r.gc_s for r in steps_run) * 1000, 1),
-        "slowest_steps": [{"ms": round(r.seconds * 1000, 1), "generating": r.generating,
-                           "admitted": len(r.queue_waits_s), "gc_ms": round(r.gc_s * 1000, 1)}
-                          for r in sorted(steps_run, key=lambda r: -r.seconds)[:8]],
+        # Each phase's share of the tail: its time per step at the median and the 99th
+        # percentile (host time; device time too with --profile-phases).
+        "step_phase_ms": step_phase_percentiles(steps_run),
+        "slowest_steps": [slow_step(r) for r in sorted(steps_run, key=lambda r: -r.seconds)[:8]],
         "audio_seconds_per_second": sum(r["audio_s"] for r in results) / wall,
         "wall_s": wall, "engine_steps": steps, "ms_per_step": wall * 1000 / max(steps, 1),
         # Time inside steps only (idle waits between arrivals left out): the figure
@@ -266,6 +285,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
+                            prefill_prompts=getattr(args, "prefill_prompts",
+                                                    EngineOptions.prefill_prompts),
                             profile_phases=args.profile_phases,
                             voices=model.clip_encoder is not None,
                             max_voices=max(getattr(args, "voices", 0), 1))
@@ -476,6 +497,8 @@ def main() -> None:
                         help="DVAE + Vocos weights and activations (EngineOptions)")
     parser.add_argument("--prefill-tokens", type=int, default=EngineOptions.prefill_tokens,
                         help="padded prompt tokens admitted and prefilled per step (EngineOptions)")
+    parser.add_argument("--prefill-prompts", type=int, default=EngineOptions.prefill_prompts,
+                        help="prompts admitted and prefilled per step, at most (EngineOptions)")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--profile-phases", action="store_true",

@@ -59,6 +59,10 @@ class EngineOptions:
     # vLLM's max_num_batched_tokens: a burst of short prompts is one pass (every pass reads all
     # the LLM's weights), long ones spread over steps, a prompt over the budget runs alone
     prefill_tokens: int = 4096
+    # prompts admitted and prefilled per engine step, at most: the admission prefill's CUDA
+    # graphs are captured for batches up to it; a larger admission ran eagerly, and such steps
+    # took 0.2-1.3 s at 256-320 read streams on an H100 (docs/benchmarks/README.md)
+    prefill_prompts: int = 8
     quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
     # smaller GPU would: the A10G profile's 22 leaves an A10G's CUDA context room
@@ -77,6 +81,8 @@ class EngineOptions:
             raise ValueError("voices must be true or false (voice cloning on or off)")
         if self.prefill_tokens < 1:
             raise ValueError("prefill_tokens must be at least 1")
+        if self.prefill_prompts < 1:
+            raise ValueError("prefill_prompts must be at least 1")
         if self.max_voices < 1:
             raise ValueError("max_voices must be at least 1")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:

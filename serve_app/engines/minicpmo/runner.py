@@ -335,7 +335,7 @@ class GraphModelRunner(ModelRunner):
         self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device)
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
         self.llm_prefill_graphs = LLMPrefillGraphs(
-            model.llm, model.config.llm, self.device, self.dtype,
+            model.llm, model.config.llm, self.device, self.dtype, max_batch=options.prefill_prompts,
             prefix_lengths=VOICE_PREFIX_BUCKETS if clones_voices(model, options) else (0,))
         self.audio_graphs.capture_all()
         self.llm_prefill_graphs.capture_all()
@@ -354,8 +354,16 @@ class GraphModelRunner(ModelRunner):
                     voices: Sequence[VoicePrefix | None]) -> tuple[torch.Tensor, SlotKVCache]:
         graphs = self.llm_prefill_graphs
         if not graphs.fits(*ids.shape, max(prefix_length(v) for v in voices)):
+            self.work.update(llm_prefill_eager=1)
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
+
+    def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
+        if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager
+            eager = sum(len(f) not in self.decoder.by_length for f in frames)
+            if eager:
+                self.work.update(decode_eager_pieces=eager)
+        return super().decode(frames)
 
     def _llm_rows(self, slots: list[int]) -> int:
         # the graph of the smallest bucket past the highest slot computes every row below it

@@ -49,6 +49,11 @@ class StepRecord:
     generating: int  # streams that got audio frames in it
     queue_waits_s: tuple[float, ...]  # each stream admitted in it: submission to admission
     gc_s: float = 0.0  # spent in Python's garbage collector during it (any thread's collection)
+    # seconds of the step in each phase (host time; device time too with ``profile_phases``,
+    # which syncs the GPU at each phase's end), and what the device was asked to do in it
+    # (``ModelRunner.work`` counted over the step): what a slow step was slow at
+    phases_s: tuple[tuple[str, float], ...] = ()
+    work: tuple[tuple[str, int], ...] = ()
 
 
 class GarbageCollectionClock:
@@ -93,6 +98,7 @@ class StepLoop:
         self._step_counter = itertools.count()
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_LENGTH)
         self._step_admitted: list[Stream] = []
+        self._step_phases: dict[str, float] = collections.defaultdict(float)
         self._gc_clock = GarbageCollectionClock()
         self._step_generating = 0
         self._outbox = Outbox()  # this step's chunks and errors, delivered when it ends
@@ -125,6 +131,7 @@ class StepLoop:
                 continue
             started_s = time.perf_counter()
             gc_before_s = self._gc_clock.total_s
+            work_before = dict(self.runner.work)
             try:
                 with torch.inference_mode():
                     self._step()
@@ -136,19 +143,26 @@ class StepLoop:
             self.step_log.append(StepRecord(
                 started_s, time.perf_counter() - started_s, self._step_generating,
                 tuple(s.admitted_at - s.submitted_at for s in self._step_admitted),
-                self._gc_clock.total_s - gc_before_s))
+                self._gc_clock.total_s - gc_before_s, tuple(self._step_phases.items()),
+                tuple((kind, count - work_before.get(kind, 0))
+                      for kind, count in self.runner.work.items()
+                      if count != work_before.get(kind, 0))))
             self._step_admitted, self._step_generating = [], 0
+            self._step_phases = collections.defaultdict(float)
             self._outbox.deliver()
             self.scheduler.count_step_time(time.perf_counter() - started_s)
 
     def _phase(self, name: str, started: float) -> float:
-        """Account the time since ``started`` to phase ``name`` (synchronising when profiling)."""
-        if not self.options.profile_phases:
-            return started
-        if self.runner.device.type == "cuda":
+        """Account the time since ``started`` to phase ``name`` in this step's record, and in
+        the running totals when profiling (which synchronises the GPU first, so that the
+        phase's device work is counted in it rather than in the next phase that waits)."""
+        profiling = self.options.profile_phases
+        if profiling and self.runner.device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
-        self._phase_s[name] += now - started
+        self._step_phases[name] += now - started
+        if profiling:
+            self._phase_s[name] += now - started
         return now
 
     def _step(self) -> None:
@@ -188,17 +202,17 @@ class StepLoop:
 
     def _admit(self, step: int) -> None:
         """Admit queued streams while their prompts fit one prefill pass of
-        ``options.prefill_tokens`` padded tokens (the first always does), and prefill them:
-        a larger admission spreads over the next steps instead of stalling this one, as vLLM's
-        token budget per step does."""
+        ``options.prefill_tokens`` padded tokens and ``options.prefill_prompts`` prompts (the
+        first always does), and prefill them: a larger admission spreads over the next steps
+        instead of stalling this one, as vLLM's token budget per step does."""
         prompts: list[list[int]] = []
         longest = 0  # of prompts: the pass is len(prompts) x longest tokens
 
         def fits(stream: Stream) -> bool:
             nonlocal longest
             ids = self._prompt_ids(stream)
-            if not pass_fits(len(prompts) + 1, max(longest, len(ids)),
-                             self.options.prefill_tokens):
+            if len(prompts) >= self.options.prefill_prompts or not pass_fits(
+                    len(prompts) + 1, max(longest, len(ids)), self.options.prefill_tokens):
                 return False
             prompts.append(ids)
             longest = max(longest, len(ids))

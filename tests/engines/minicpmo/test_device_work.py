@@ -73,6 +73,15 @@ def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
     assert max(record.generating for record in log) >= 1
     assert engine.step_log(time.perf_counter()) == []
     assert all(record.gc_s >= 0 for record in log)
+    # each step says how long each phase took and what the device did in it
+    assert all(dict(record.phases_s).keys() >= {"admit_prefill", "tts_step", "decode_emit"}
+               for record in log)
+    assert all(sum(s for _, s in record.phases_s) <= record.seconds for record in log)
+    assert sum(dict(record.work).get("llm_prefill_passes", 0) for record in log) >= 1
+    windows = [dict(record.work).get("audio_windows", 0) for record in log]
+    assert set(windows) <= {0, 1} and sum(windows) >= 1
+    assert all((dict(record.work).get("audio_windows", 0) == 1) == (record.generating > 0)
+               for record in log)
 
 
 def test_garbage_collection_clock_counts_collections_until_closed() -> None:
@@ -89,11 +98,11 @@ def test_garbage_collection_clock_counts_collections_until_closed() -> None:
     assert clock.total_s == counted
 
 
-def test_prefill_token_budget_spreads_admissions_over_passes(tiny_checkpoint) -> None:
+def test_prefill_budgets_spread_admissions_over_passes(tiny_checkpoint) -> None:
     """Streams queued together are admitted while their prompts fit one prefill pass of
-    ``prefill_tokens`` padded tokens: a budget of one token admits one stream a step (a pass
-    each), the default all three in one pass; the speech and the chat answers are the same
-    either way."""
+    ``prefill_tokens`` padded tokens and ``prefill_prompts`` prompts: a budget of one token
+    admits one stream a step (a pass each), two prompts a step two passes, the defaults all
+    three in one pass; the speech and the chat answers are the same every way."""
     from serve_app.engines.minicpmo.runner import fits_one_pass
 
     assert fits_one_pass([5, 7, 3], 21) and not fits_one_pass([5, 7, 3], 20)
@@ -105,11 +114,13 @@ def test_prefill_token_budget_spreads_admissions_over_passes(tiny_checkpoint) ->
                 ("budget-read-b", "A second, somewhat longer prompt to read aloud.", "read"),
                 ("budget-chat", "Say something short.", "chat")]
     results = {}
-    for budget in (1, EngineOptions.prefill_tokens):
+    budgets = {"one token": {"prefill_tokens": 1}, "two prompts": {"prefill_prompts": 2},
+               "defaults": {}}
+    for budget, limits in budgets.items():
         engine = MiniCPMOEngine(model, EngineOptions(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
             max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,
-            tts_sampling="greedy", keep_traces=True, prefill_tokens=budget))
+            tts_sampling="greedy", keep_traces=True, **limits))
         try:
             before = engine.device_work().get("llm_prefill_passes", 0)
 
@@ -129,5 +140,5 @@ def test_prefill_token_budget_spreads_admissions_over_passes(tiny_checkpoint) ->
                                         for rid, t in traces.items()})
         finally:
             engine.close()
-    assert results[1][0] == 3 and results[EngineOptions.prefill_tokens][0] == 1
-    assert results[1][1] == results[EngineOptions.prefill_tokens][1]
+    assert [results[b][0] for b in budgets] == [3, 2, 1]
+    assert results["one token"][1] == results["two prompts"][1] == results["defaults"][1]
