@@ -252,28 +252,38 @@ class AudioStepGraphs:
 
 
 PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens; longer ones take passes
+TEXT_PREFILL_SPANS = (64, 128)  # key counts text prefill graphs read below the whole text part
 
 
 def text_prefill_step(tts: SpeechTokenModel, cache: SlotKVCache, ids: torch.Tensor,
                       positions: torch.Tensor, valid: torch.Tensor, speaker: torch.Tensor,
-                      speaker_at: torch.Tensor, rows: torch.Tensor, contiguous: bool) -> None:
+                      speaker_at: torch.Tensor, rows: torch.Tensor, contiguous: bool,
+                      key_count: int | None = None) -> None:
     """Write text embeddings (the speaker embedding where ``speaker_at``) into the cache, causal.
 
     ``ids``/``positions``/``valid``/``speaker_at`` [B, S]; ``speaker`` [B, H]. Padded tokens
-    write to the scratch position and see only key 0.
+    write to the scratch position and see only key 0. Attention reads the first ``key_count``
+    cache positions (default: all the text part; fewer must still hold every query's position).
     """
     embeds = tts.emb_text(ids)
     embeds = torch.where(speaker_at[:, :, None], speaker[:, None, :].to(embeds.dtype), embeds)
     write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
-    # text lies below condition_length: attention need not read the audio part of the cache
-    attend = causal_attend(positions, valid, min(tts.config.condition_length, cache.max_positions + 1))
+    attend = causal_attend(positions, valid, key_count or text_key_count(tts.config, cache))
     tts(embeds, cache, StepInputs(rows, positions, write, attend, contiguous))
+
+
+def text_key_count(cfg: TTSConfig, cache: SlotKVCache) -> int:
+    """Keys a text prefill may see: text lies below ``condition_length``, so attention need not
+    read the audio part of the cache."""
+    return min(cfg.condition_length, cache.max_positions + 1)
 
 
 class TextPrefillGraphs:
     """:func:`text_prefill_step` of width :data:`PREFILL_TOKENS` as CUDA graphs, bucketed by the
-    number of prefilling streams (few per step): their cache rows are gathered by slot index,
-    so a prefill costs what its own rows cost, not what the busiest slot range does."""
+    number of prefilling streams (few per step) and by the keys attention reads: their cache
+    rows are gathered by slot index, so a prefill costs what its own rows cost, not what the
+    busiest slot range does, and only up to the bucket past the pass's last position (a
+    piece of text sits in the first 100 or so of the 302 text positions)."""
 
     def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
                  max_rows: int = 64) -> None:
@@ -288,15 +298,20 @@ class TextPrefillGraphs:
         self.speaker = torch.zeros(rows, tts.config.hidden_size, dtype=dtype, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.buckets = bucket_sizes(rows)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+        text_keys = text_key_count(tts.config, cache)
+        self.spans = sorted({span for span in TEXT_PREFILL_SPANS if span < text_keys} | {text_keys})
+        self.keys = [(b, span) for b in self.buckets for span in self.spans]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
 
-    def _forward(self, bucket: int) -> None:
+    def _forward(self, index: int) -> None:
+        bucket, span = self.keys[index]
         text_prefill_step(self.tts, self.cache, self.ids[:bucket], self.positions[:bucket],
                           self.valid[:bucket], self.speaker[:bucket], self.speaker_at[:bucket],
-                          self.slots[:bucket], False)
+                          self.slots[:bucket], False, span)
 
     def capture_all(self) -> None:
-        self.graphs = capture_per_bucket(self.buckets, self._forward)
+        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
+        self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
     def run(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
             speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
@@ -320,4 +335,6 @@ class TextPrefillGraphs:
             self.valid[:count] = packed[:, 1 + 2 * width:1 + 3 * width].bool()
             self.speaker_at[:count] = packed[:, 1 + 3 * width:].bool()
             self.speaker[:count] = speaker[part]
-            self.graphs[bucket][0].replay()
+            last = int(positions[part][valid[part]].max()) if bool(valid[part].any()) else 0
+            span = next((s for s in self.spans if s > last), self.spans[-1])
+            self.graphs[(bucket, span)][0].replay()

@@ -1,8 +1,11 @@
-"""DVAE + Vocos decode of the common piece length, captured as CUDA graphs per batch bucket.
+"""DVAE + Vocos decode of every piece length, captured as CUDA graphs per batch bucket.
 
 Almost every generate call decodes 25 new frames with 4 frames of context (29 frames); the
-decode is a few hundred small kernels, so on a GPU it is bound by launches, not math. Other
-lengths fall back to the eager :meth:`SpeechDecoder.decode`.
+decode is a few hundred small kernels, so on a GPU it is bound by launches, not math. A
+stream's last piece has any length up to that; eager, each new (length, batch) shape cost
+50-130 ms on an H100 at 256-448 read streams (docs/benchmarks/README.md), so those lengths
+have graphs too, for fewer pieces at once. Longer pieces fall back to the eager
+:meth:`SpeechDecoder.decode`.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ class DecodeGraphs:
     def _forward(self, bucket: int) -> torch.Tensor:
         return self.decoder.mel_to_audio(self.decoder.codes_to_mel(self.codes[:bucket]))
 
-    def capture_all(self) -> None:
-        self.graphs = capture_per_bucket(self.buckets, self._forward)
+    def capture_all(self, pool: object = None) -> object:
+        """Capture every bucket (into ``pool`` when given); returns the graphs' memory pool."""
+        self.graphs = capture_per_bucket(self.buckets, self._forward, pool=pool)
+        return self.graphs[self.buckets[0]][0].pool()
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Like :meth:`SpeechDecoder.decode`; pieces of the captured length replay a graph."""
@@ -54,16 +59,23 @@ class DecodeGraphs:
 
 
 class MultiLengthDecodeGraphs:
-    """Graphs for several piece lengths: 25 frames (a stream's first call) and 29 (every later
-    call, with 4 frames of context); any other length decodes eagerly."""
+    """Graphs for every piece length from 1 to ``longest`` frames: the ``common`` lengths (25
+    frames: a stream's first call; 29: every later call, with 4 frames of context) for up to
+    ``max_batch`` pieces at once, the others (a stream's last piece) for up to ``rare_batch``
+    (more replay in groups). Longer pieces decode eagerly. The graphs share one memory pool:
+    they replay one at a time, and each replay's output is copied out before the next."""
 
-    def __init__(self, decoder: SpeechDecoder, lengths: Sequence[int], max_batch: int) -> None:
+    def __init__(self, decoder: SpeechDecoder, common: Sequence[int], longest: int,
+                 max_batch: int, rare_batch: int = 8) -> None:
         self.decoder = decoder
-        self.by_length = {n: DecodeGraphs(decoder, n, max_batch) for n in lengths}
+        self.by_length = {n: DecodeGraphs(decoder, n, max_batch if n in common
+                                          else min(rare_batch, max_batch))
+                          for n in range(1, max(longest, *common) + 1)}
 
     def capture_all(self) -> None:
-        for graphs in self.by_length.values():
-            graphs.capture_all()
+        pool = None
+        for length in sorted(self.by_length, reverse=True):  # the largest activations first
+            pool = self.by_length[length].capture_all(pool)
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(codes_list)

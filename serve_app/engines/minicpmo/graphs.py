@@ -35,14 +35,15 @@ def separate_capture_stream() -> torch.cuda.Stream:
 
 
 def capture_per_bucket(buckets: list[int], forward: Callable[[int], object],
-                       capture_stream: torch.cuda.Stream | None = None
+                       capture_stream: torch.cuda.Stream | None = None, pool: object = None
                        ) -> dict[int, tuple[torch.cuda.CUDAGraph, object]]:
     """Warm ``forward(bucket)`` up on a side stream, then capture one graph per bucket.
 
-    Graphs are captured largest first into one shared memory pool, on ``capture_stream``
-    (default: torch's default capture stream; see :func:`separate_capture_stream` for graphs
-    that run beside others). Returns ``{bucket: (graph, output)}``; replaying a graph rewrites
-    its output in place.
+    Graphs are captured largest first into one shared memory pool (``pool``, a graph's
+    ``pool()``, to share one with graphs captured before: only for graphs that never replay at
+    the same time), on ``capture_stream`` (default: torch's default capture stream; see
+    :func:`separate_capture_stream` for graphs that run beside others). Returns
+    ``{bucket: (graph, output)}``; replaying a graph rewrites its output in place.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -51,7 +52,6 @@ def capture_per_bucket(buckets: list[int], forward: Callable[[int], object],
             forward(bucket)
     torch.cuda.current_stream().wait_stream(side)
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
-    pool = None
     with torch.inference_mode():
         for bucket in sorted(buckets, reverse=True):
             graph = torch.cuda.CUDAGraph()

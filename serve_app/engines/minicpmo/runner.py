@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 # Voice-turn lengths the admission prefill graphs are captured for (a 30 s clip's turn is about
 # 825 tokens); a longer prefix runs eagerly.
 VOICE_PREFIX_BUCKETS = (0, 256, 1024)
+# Streams one text prefill graph replay takes (bounded by the slots): at 384 read streams about
+# 80 streams a step start a piece, and each replay of 64 rows cost 1-2.5 ms on an H100
+TEXT_PREFILL_ROWS = 256
 
 
 def fits_one_pass(lengths: Sequence[int], budget: int) -> bool:
@@ -332,7 +335,8 @@ class GraphModelRunner(ModelRunner):
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
                                             whole_span_only=options.one_query_attention == "flex")
-        self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device)
+        self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device,
+                                                     max_rows=TEXT_PREFILL_ROWS)
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
         self.llm_prefill_graphs = LLMPrefillGraphs(
             model.llm, model.config.llm, self.device, self.dtype, max_batch=options.prefill_prompts,
@@ -341,8 +345,9 @@ class GraphModelRunner(ModelRunner):
         self.llm_prefill_graphs.capture_all()
         self.text_prefill_graphs.capture_all()
         self.llm_graphs.capture_all()
+        longest_piece = options.chunk_frames + CONTEXT_FRAMES
         decode_graphs = MultiLengthDecodeGraphs(
-            model.decoder, (options.chunk_frames, options.chunk_frames + CONTEXT_FRAMES),
+            model.decoder, (options.chunk_frames, longest_piece), longest_piece,
             min(options.max_slots, 64))
         try:
             decode_graphs.capture_all()
