@@ -251,7 +251,11 @@ class AudioStepGraphs:
         return out[:, index.to(out.device)].cpu()
 
 
-PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens; longer ones take passes
+PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens
+# pass width for longer text (the tail of a long piece, a carried segment's start): a pass
+# costs about the same whatever its width on a GPU (kernel launches), and a 170-token tail in
+# passes of 16 took 11 passes, 25-47 ms of one step, on an H100
+LONG_PREFILL_TOKENS = 128
 TEXT_PREFILL_SPANS = (64, 128)  # key counts text prefill graphs read below the whole text part
 
 
@@ -286,10 +290,10 @@ class TextPrefillGraphs:
     piece of text sits in the first 100 or so of the 302 text positions)."""
 
     def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
-                 max_rows: int = 64) -> None:
+                 max_rows: int = 64, width: int = PREFILL_TOKENS) -> None:
         self.tts = tts
         self.cache = cache
-        rows, width = min(max_rows, cache.num_slots), PREFILL_TOKENS
+        rows = min(max_rows, cache.num_slots)
         dtype = next(tts.parameters()).dtype
         self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, width, dtype=torch.long, device=device)
@@ -315,7 +319,7 @@ class TextPrefillGraphs:
 
     def run(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
             speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
-        """One pass for streams in ``slots``; the [B, PREFILL_TOKENS] inputs are on the CPU."""
+        """One pass for streams in ``slots``; the [B, width] inputs are on the CPU."""
         largest = self.buckets[-1]
         for start in range(0, len(slots), largest):
             part = slice(start, start + largest)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -69,6 +70,8 @@ def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 1e9 / total), index)
     logger.info("CUDA allocations capped at %.1f GB of %.1f GB", gigabytes, total / 1e9)
 
+GIL_SWITCH_INTERVAL_S = 0.001  # a GPU engine's process: see MiniCPMOEngine.__init__
+
 
 class MiniCPMOEngine(SubmitsIterators):
     """The production engine: native batched MiniCPM-o 2.6 speech."""
@@ -96,6 +99,10 @@ class MiniCPMOEngine(SubmitsIterators):
             # only what the streams made (as vLLM does after start; one engine per process).
             gc.collect()
             gc.freeze()
+            # The step thread gives up the GIL at every device sync; a busy event-loop thread
+            # (delivering hundreds of chunks a step) then keeps it until the switch interval
+            # ends, 5 ms by default, several times a step. 1 ms bounds each such wait.
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # Voice cloning needs the audio encoder (loaded when ``options.voices`` is on).
         self.clones_voices = clones_voices(model, options)
         if options.voices and not self.clones_voices:

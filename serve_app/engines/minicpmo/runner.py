@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .audio_step import (
+    LONG_PREFILL_TOKENS,
     PREFILL_TOKENS,
     AudioStepGraphs,
     AudioStepInputs,
@@ -59,6 +60,7 @@ VOICE_PREFIX_BUCKETS = (0, 256, 1024)
 # Streams one text prefill graph replay takes (bounded by the slots): at 384 read streams about
 # 80 streams a step start a piece, and each replay of 64 rows cost 1-2.5 ms on an H100
 TEXT_PREFILL_ROWS = 256
+LONG_TEXT_PREFILL_ROWS = 16  # and for long text (few streams a step have any)
 
 
 def fits_one_pass(lengths: Sequence[int], budget: int) -> bool:
@@ -240,10 +242,17 @@ class ModelRunner:
     # ---- TTS ---------------------------------------------------------------------------------
 
     def text_prefill(self, items: Sequence[tuple[int, TextPrefill]]) -> None:
-        """Batched text prefills (TTS slot, work item) in passes of :data:`PREFILL_TOKENS` tokens
+        """Batched text prefills (TTS slot, work item): items of up to :data:`PREFILL_TOKENS`
+        tokens in passes of that width, longer ones in passes of :data:`LONG_PREFILL_TOKENS`
         (causal, so a long prefill split in passes writes exactly what one pass would)."""
+        for width in (PREFILL_TOKENS, LONG_PREFILL_TOKENS):
+            group = [(slot, item) for slot, item in items
+                     if (len(item.token_ids) <= PREFILL_TOKENS) == (width == PREFILL_TOKENS)]
+            if group:
+                self._text_prefill_passes(group, width)
+
+    def _text_prefill_passes(self, items: Sequence[tuple[int, TextPrefill]], width: int) -> None:
         cfg = self.model.config.tts
-        width = PREFILL_TOKENS
         passes = max((len(item.token_ids) + width - 1) // width for _, item in items)
         for index in range(passes):
             batch = [(slot, item) for slot, item in items if len(item.token_ids) > index * width]
@@ -335,15 +344,20 @@ class GraphModelRunner(ModelRunner):
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
                                             whole_span_only=options.one_query_attention == "flex")
-        self.text_prefill_graphs = TextPrefillGraphs(model.tts, self.tts_cache, self.device,
-                                                     max_rows=TEXT_PREFILL_ROWS)
+        self.text_prefill_graphs = {
+            PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
+                                              max_rows=TEXT_PREFILL_ROWS),
+            LONG_PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
+                                                   max_rows=LONG_TEXT_PREFILL_ROWS,
+                                                   width=LONG_PREFILL_TOKENS)}
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
         self.llm_prefill_graphs = LLMPrefillGraphs(
             model.llm, model.config.llm, self.device, self.dtype, max_batch=options.prefill_prompts,
             prefix_lengths=VOICE_PREFIX_BUCKETS if clones_voices(model, options) else (0,))
         self.audio_graphs.capture_all()
         self.llm_prefill_graphs.capture_all()
-        self.text_prefill_graphs.capture_all()
+        for graphs in self.text_prefill_graphs.values():
+            graphs.capture_all()
         self.llm_graphs.capture_all()
         longest_piece = options.chunk_frames + CONTEXT_FRAMES
         decode_graphs = MultiLengthDecodeGraphs(
@@ -393,7 +407,7 @@ class GraphModelRunner(ModelRunner):
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
         self._count_text_prefill(len(slots), valid)
-        self.text_prefill_graphs.run(slots, ids, positions, valid, speaker, speaker_at)
+        self.text_prefill_graphs[ids.shape[1]].run(slots, ids, positions, valid, speaker, speaker_at)
 
     def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
         shape = self.audio_graphs.shape(slots, inputs)

@@ -93,7 +93,7 @@ class SpeechSchedule:
     carried_segment: bool = False
     chunk_index: int = 0
     text_ids: list[int] = field(default_factory=list)
-    segment_frames: list[list[int]] = field(default_factory=list)
+    segment_frames: list[tuple[int, ...]] = field(default_factory=list)
     cache_len: int = 0
     call_frames: int = 0
     decoded_upto: int = 0
@@ -221,7 +221,10 @@ class SpeechSchedule:
         self.call_frames += 1
         finished = (not self.ignore_eos) and self.config.eos_code in codes
         if not finished:
-            self.segment_frames.append(codes)
+            # a tuple: once the collector has seen it, it stops tracking it (ints only), so a
+            # full collection does not walk every frame of every running stream (65 ms once
+            # at 384 streams on an H100 with lists)
+            self.segment_frames.append(tuple(codes))
             self.frames_total += 1
         limit_hit = self.total_frame_limit is not None and self.frames_total >= self.total_frame_limit
         out_of_room = self.position_capacity_left() <= 0
@@ -282,7 +285,7 @@ class SpeechSchedule:
         self.carried_segment = True
         self.piece_in_segment = 0
         self.chunk_index = len(carried_text) // c.streaming_text_chunk_size
-        self.segment_frames = [list(f) for f in carried_frames]
+        self.segment_frames = [tuple(f) for f in carried_frames]
         self.finished_segments[-1] = list(self.finished_segments[-1])
         self.decoded_upto = len(self.segment_frames)
         self.segment_started_fresh = True

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 STEP_LOG_LENGTH = 100_000  # steps kept in the step log (a few minutes of a busy engine)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One engine step, for benchmarks that ask what a tail latency is made of."""
 
