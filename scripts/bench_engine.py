@@ -299,8 +299,12 @@ async def measure_engine(engine: MiniCPMOEngine, args, modes, levels) -> dict:
         await run_level(engine, mode, 1, "burst", args)  # warm-up
         for concurrency in levels[mode]:
             for arrival in args.arrivals:
-                result = await run_level(engine, mode, concurrency, arrival, args)
-                sweep.append(result)
+                for interval_ms in args.gil_switch_intervals_ms or [None]:
+                    if interval_ms is not None:  # an A/B of the step thread's GIL waits
+                        sys.setswitchinterval(interval_ms / 1000)
+                    result = await run_level(engine, mode, concurrency, arrival, args)
+                    result["gil_switch_interval_ms"] = sys.getswitchinterval() * 1000
+                    sweep.append(result)
                 if result["ttfb_ms_p99"] and result["ttfb_ms_p99"] > args.stop_after_ttfb_ms:
                     break
             if sweep[-1]["ttfb_ms_p99"] and sweep[-1]["ttfb_ms_p99"] > args.stop_after_ttfb_ms:
@@ -501,6 +505,9 @@ def main() -> None:
                         help="prompts admitted and prefilled per step, at most (EngineOptions)")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
+    parser.add_argument("--gil-switch-intervals-ms", type=float, nargs="+", default=None,
+                        help="run each level once per GIL switch interval, in this order (an "
+                             "A/B of the engine's 1 ms against Python's default 5 ms)")
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "
                              "so it slows the engine down; off for headline numbers)")
