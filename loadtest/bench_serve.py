@@ -126,6 +126,9 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.env:
         env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         env_vars.update(dict(pair.split("=", 1) for pair in args.env))
+    levels = [level for mode in args.modes
+              for level in {"read": args.read_levels, "chat": args.chat_levels}.get(mode, [])]
+    size_for_streams(config, max(levels, default=1))
     overrides = _options(args.deployment_option)
     for deployment in app.get("deployments", []):
         if deployment["name"] == "Synthesizer":
@@ -136,6 +139,41 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
             if name == deployment["name"]:
                 deployment[option] = value
     return config
+
+
+# Poisson arrivals that hold N streams on average hold more at times: the stream caps leave
+# this much room above the largest level (a cap below it measures the cap, not the service).
+STREAM_HEADROOM = 1.5
+
+
+def size_for_streams(config: dict[str, Any], streams: int) -> None:
+    """Raise the config's stream caps, where they are lower, to what ``streams`` concurrent
+    streams on the one Synthesizer replica need, as a user serving that many would: the
+    ingress's stream cap (``api.max_streams``) and ongoing requests, the Synthesizer's ongoing
+    requests (its engine's slots) and queue, and enough AudioEncoder replicas from the start
+    (each takes ``max_ongoing_requests`` streams; scaling out takes ``upscale_delay_s``, and the
+    queue in front of two replicas held 256 streams: at 384 the ingress answered 503)."""
+    [app] = config["applications"]
+    peak = int(streams * STREAM_HEADROOM)
+    api = app["args"].setdefault("api", {})
+    api["max_streams"] = max(api.get("max_streams", 0), peak)
+    slots = app["args"].get("engine_options", {}).get("max_slots", 0)
+    for deployment in app.get("deployments", []):
+        name = deployment["name"]
+        if name == "Ingress":
+            deployment["max_ongoing_requests"] = max(deployment.get("max_ongoing_requests", 0),
+                                                     api["max_streams"] + 64)
+        elif name == "Synthesizer":
+            deployment["max_ongoing_requests"] = max(deployment.get("max_ongoing_requests", 0),
+                                                     slots)
+            deployment["max_queued_requests"] = max(deployment.get("max_queued_requests", 0),
+                                                    peak)
+        elif name == "AudioEncoder" and "autoscaling_config" in deployment:
+            scaling = deployment["autoscaling_config"]
+            per_replica = deployment.get("max_ongoing_requests", 64)
+            needed = -(-peak // per_replica)
+            scaling["min_replicas"] = max(scaling.get("min_replicas", 1), needed)
+            scaling["max_replicas"] = max(scaling.get("max_replicas", 1), scaling["min_replicas"])
 
 
 def arrivals_s(level: int, arrival: str, audio_seconds: float) -> list[float]:

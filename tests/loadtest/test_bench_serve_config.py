@@ -1,0 +1,46 @@
+"""The served benchmark's config: the production config, sized for the levels it measures."""
+
+from __future__ import annotations
+
+import yaml
+
+from loadtest.bench_serve import STREAM_HEADROOM, bench_config, parse_args
+from loadtest.service import ROOT
+
+
+def deployments(config: dict) -> dict[str, dict]:
+    [app] = config["applications"]
+    return {d["name"]: d for d in app["deployments"]}
+
+
+def test_stream_caps_are_raised_to_the_largest_level() -> None:
+    """384 read streams (the level the service refused with 503 under the production caps):
+    every cap on the way admits them with Poisson headroom, and the Synthesizer takes as many
+    streams as its engine has slots."""
+    config = bench_config(parse_args(["--modes", "read", "chat", "--read-levels", "1", "384",
+                                      "--chat-levels", "96", "--engine-option", "max_slots=416"]))
+    [app] = config["applications"]
+    peak = int(384 * STREAM_HEADROOM)
+    assert app["args"]["api"]["max_streams"] >= peak
+    by_name = deployments(config)
+    assert by_name["Ingress"]["max_ongoing_requests"] > app["args"]["api"]["max_streams"]
+    assert by_name["Synthesizer"]["max_ongoing_requests"] == 416
+    assert by_name["Synthesizer"]["num_replicas"] == 1
+    encoder = by_name["AudioEncoder"]
+    assert encoder["autoscaling_config"]["min_replicas"] * encoder["max_ongoing_requests"] >= peak
+    assert encoder["autoscaling_config"]["max_replicas"] >= encoder["autoscaling_config"]["min_replicas"]
+
+
+def test_caps_the_levels_fit_are_left_as_configured() -> None:
+    """Small levels leave the production config's caps as they are (never lowered)."""
+    production = yaml.safe_load((ROOT / "serve_config.yaml").read_text(encoding="utf-8"))
+    [app] = production["applications"]
+    config = bench_config(parse_args(["--modes", "read", "--read-levels", "1", "32"]))
+    assert config["applications"][0]["args"]["api"]["max_streams"] == app["args"]["api"]["max_streams"]
+    before, after = deployments(production), deployments(config)
+    for name in ("Ingress", "AudioEncoder"):
+        assert after[name]["max_ongoing_requests"] == before[name]["max_ongoing_requests"]
+    assert (after["AudioEncoder"]["autoscaling_config"]["min_replicas"]
+            == before["AudioEncoder"]["autoscaling_config"]["min_replicas"])
+    # the bench engine's 256 slots: the Synthesizer takes that many streams
+    assert after["Synthesizer"]["max_ongoing_requests"] == 256
