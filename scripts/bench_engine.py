@@ -177,12 +177,13 @@ def slow_step(record) -> dict:
 
 
 def step_phase_percentiles(records) -> dict:
-    """Per phase: p50 and p99 over the steps of the time the phase took in a step."""
+    """Per phase: mean, p50 and p99 over the steps of the time the phase took in a step."""
     names = sorted({name for record in records for name, _ in record.phases_s})
     out = {}
     for name in names:
         values = [dict(record.phases_s).get(name, 0.0) * 1000 for record in records]
-        out[name] = {"p50": round(percentile(values, 50), 2), "p99": round(percentile(values, 99), 2)}
+        out[name] = {"mean": round(float(np.mean(values)), 3), "p50": round(percentile(values, 50), 2),
+                     "p99": round(percentile(values, 99), 2)}
     return out
 
 
@@ -599,9 +600,14 @@ def main() -> None:
     sizes = ModelSizes.of(model)
     result["model_sizes"] = sizes.as_dict()
     for row in sweep:
-        row["roofline"] = roofline(sizes, row.pop("device_work"), row["engine_steps"],
-                                   row["phase_ms_per_step"], row["busy_ms_per_step"],
-                                   GPUS.get(gpu_tag))
+        # Phase times: with --profile-phases the device's (a sync ends each phase); otherwise
+        # the step log's host clock, where device work may count in the later phase that
+        # waits for it (a copy to or from the device waits for all work queued before it).
+        timed = row["phase_ms_per_step"] or {name: times["mean"]
+                                             for name, times in row["step_phase_ms"].items()}
+        row["roofline"] = roofline(sizes, row.pop("device_work"), row["engine_steps"], timed,
+                                   row["busy_ms_per_step"], GPUS.get(gpu_tag))
+        row["roofline"]["phase_clock"] = "device" if row["phase_ms_per_step"] else "host"
     if "baseline_sequential_eager" in result:
         ratios = {}
         for mode in args.modes:

@@ -45,3 +45,22 @@ def test_merging_runs_of_one_mode_keeps_the_measured_single_stream_and_the_highe
     assert merged["max_realtime_streams"] == {"chat": 64}
     assert merged["single_stream"]["chat"]["ttfb_ms_p50"] == 120.0
     assert [r["concurrency"] for r in merged["sweep"]] == [1, 64, 96]
+
+
+def test_step_phases_are_summarised_per_phase_over_the_steps():
+    """bench_engine's per-phase step times (from the engine's step log): a phase absent from a
+    step counts as 0 ms there, so its mean is over every step."""
+    from serve_app.engines.minicpmo.step_loop import StepRecord
+    from scripts.bench_engine import slow_step, step_phase_percentiles
+
+    records = [StepRecord(0.0, 0.010, 4, (), 0.0, (("tts_step", 0.008), ("decode_emit", 0.002))),
+               StepRecord(0.1, 0.030, 4, (0.05,), 0.001, (("tts_step", 0.010), ("admit_prefill", 0.020)),
+                          (("llm_prefill_passes", 1),))]
+    phases = step_phase_percentiles(records)
+    assert set(phases) == {"tts_step", "decode_emit", "admit_prefill"}
+    assert phases["admit_prefill"]["mean"] == 10.0 and phases["tts_step"]["mean"] == 9.0
+    assert phases["tts_step"]["p50"] == 9.0
+    slow = slow_step(records[1])
+    assert slow == {"ms": 30.0, "generating": 4, "admitted": 1, "gc_ms": 1.0,
+                    "phase_ms": {"tts_step": 10.0, "admit_prefill": 20.0},
+                    "work": {"llm_prefill_passes": 1}}
