@@ -243,8 +243,8 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "queue_wait_ms_p50": percentile(queue_ms, 50), "queue_wait_ms_p99": percentile(queue_ms, 99),
         "stall_ms_p99": percentile(stalls, 99), "stall_ms_max": max(stalls, default=None),
         "gc_ms_total": round(sum(r.gc_s for r in steps_run) * 1000, 1),
-        # Each phase's share of the tail: its time per step at the median and the 99th
-        # percentile (host time; device time too with --profile-phases).
+        # Each phase's share of the tail: its time per step, mean, median and 99th percentile
+        # (host time; device time too with --profile-phases).
         "step_phase_ms": step_phase_percentiles(steps_run),
         "slowest_steps": [slow_step(r) for r in sorted(steps_run, key=lambda r: -r.seconds)[:8]],
         "audio_seconds_per_second": sum(r["audio_s"] for r in results) / wall,

@@ -252,9 +252,9 @@ class AudioStepGraphs:
 
 
 PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens
-# pass width for longer text (the tail of a long piece, a carried segment's start): a pass
-# costs about the same whatever its width on a GPU (kernel launches), and a 170-token tail in
-# passes of 16 took 11 passes, 25-47 ms of one step, on an H100
+# pass width for longer text (the tail of a long piece, a carried segment's start): a pass of
+# a few streams is bound by its kernel launches on a GPU, and a 170-token tail in passes of 16
+# took 11 passes, 25-47 ms of one step, on an H100
 LONG_PREFILL_TOKENS = 128
 TEXT_PREFILL_SPANS = (64, 128)  # key counts text prefill graphs read below the whole text part
 

@@ -2,10 +2,10 @@
 
 Almost every generate call decodes 25 new frames with 4 frames of context (29 frames); the
 decode is a few hundred small kernels, so on a GPU it is bound by launches, not math. A
-stream's last piece has any length up to that; eager, each new (length, batch) shape cost
-50-130 ms on an H100 at 256-448 read streams (docs/benchmarks/README.md), so those lengths
-have graphs too, for fewer pieces at once. Longer pieces fall back to the eager
-:meth:`SpeechDecoder.decode`.
+stream's last piece has any length up to that; decoded eagerly, steps with 2-8 such pieces
+spent 43-133 ms decoding and emitting on an H100 at 256-448 read streams
+(docs/benchmarks/README.md), so those lengths have graphs too, for fewer pieces at once.
+Longer pieces fall back to the eager :meth:`SpeechDecoder.decode`.
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ __all__ = ["EngineOptions", "MiniCPMOEngine", "StreamPlan"]
 
 logger = logging.getLogger(__name__)
 
+GIL_SWITCH_INTERVAL_S = 0.001  # a GPU engine's process: see MiniCPMOEngine.__init__
+
 
 def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
     """Cap this process's CUDA allocations on ``device`` at ``gigabytes`` (1e9 bytes): torch's
@@ -69,8 +71,6 @@ def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gigabytes * 1e9 / total), index)
     logger.info("CUDA allocations capped at %.1f GB of %.1f GB", gigabytes, total / 1e9)
-
-GIL_SWITCH_INTERVAL_S = 0.001  # a GPU engine's process: see MiniCPMOEngine.__init__
 
 
 class MiniCPMOEngine(SubmitsIterators):
