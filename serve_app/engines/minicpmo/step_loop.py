@@ -139,7 +139,9 @@ class StepLoop:
                 logger.exception("engine step failed")
                 for stream in self.scheduler.running():
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
-            # logged before its audio is delivered, so a caller that has its audio finds the step
+            # logged before the step's batched deliveries (the engine process's wire); a
+            # per-item sink (an event loop in this process) has had each item at once, so its
+            # caller may hold a step's last chunk a moment before the step is logged
             self.step_log.append(StepRecord(
                 started_s, time.perf_counter() - started_s, self._step_generating,
                 tuple(s.admitted_at - s.submitted_at for s in self._step_admitted),

@@ -64,8 +64,9 @@ def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
 
     asyncio.run(run())
     log = engine.step_log(since)
-    # every step the engine counted is in the log (a step is counted just before it is
-    # logged: one in flight may be counted and not yet logged, so wait for the two to agree)
+    # every step the engine counted is in the log. This in-process reader gets each chunk the
+    # moment it is made, so its last one may come before its step is counted and logged: wait
+    # for the two to agree (a step missing from the log never would)
     deadline = time.monotonic() + 60
     while len(engine.step_log()) != engine.stats().steps:
         assert time.monotonic() < deadline, (len(engine.step_log()), engine.stats().steps)
