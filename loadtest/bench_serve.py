@@ -105,6 +105,11 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     return parsed
 
 
+def levels_by_mode(args: argparse.Namespace) -> dict[str, list[int]]:
+    """The concurrency levels to measure, per mode."""
+    return {"read": args.read_levels, "chat": args.chat_levels}
+
+
 def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     """The production config with the benchmark setting, the bench engine options (or, with
     ``--config-engine-options``, the config's own), this port, and one Synthesizer replica (one
@@ -126,9 +131,9 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.env:
         env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         env_vars.update(dict(pair.split("=", 1) for pair in args.env))
-    levels = [level for mode in args.modes
-              for level in {"read": args.read_levels, "chat": args.chat_levels}.get(mode, [])]
-    size_for_streams(config, max(levels, default=1))
+    levels = levels_by_mode(args)
+    size_for_streams(config, max((level for mode in args.modes for level in levels.get(mode, [])),
+                                 default=1))
     overrides = _options(args.deployment_option)
     for deployment in app.get("deployments", []):
         if deployment["name"] == "Synthesizer":
@@ -585,7 +590,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.reuse:
         service = start_service(config, base_url, args.log, ready_timeout_s=900)
     models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
-    levels = {"read": args.read_levels, "chat": args.chat_levels}
+    levels = levels_by_mode(args)
     sweep: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     registration = None

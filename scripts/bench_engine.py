@@ -178,10 +178,10 @@ def slow_step(record) -> dict:
 
 def step_phase_percentiles(records) -> dict:
     """Per phase: mean, p50 and p99 over the steps of the time the phase took in a step."""
-    names = sorted({name for record in records for name, _ in record.phases_s})
+    phases = [dict(record.phases_s) for record in records]
     out = {}
-    for name in names:
-        values = [dict(record.phases_s).get(name, 0.0) * 1000 for record in records]
+    for name in sorted({name for step in phases for name in step}):
+        values = [step.get(name, 0.0) * 1000 for step in phases]
         out[name] = {"mean": round(float(np.mean(values)), 3), "p50": round(percentile(values, 50), 2),
                      "p99": round(percentile(values, 99), 2)}
     return out

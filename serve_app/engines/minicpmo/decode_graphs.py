@@ -38,24 +38,18 @@ class DecodeGraphs:
         return self.graphs[self.buckets[0]][0].pool()
 
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Like :meth:`SpeechDecoder.decode`; pieces of the captured length replay a graph."""
-        results: list[torch.Tensor | None] = [None] * len(codes_list)
-        common = [i for i, c in enumerate(codes_list) if c.shape[0] == self.frames]
-        others = [i for i in range(len(codes_list)) if i not in set(common)]
+        """Like :meth:`SpeechDecoder.decode` for pieces of ``frames`` frames: a graph replay per
+        group of up to the largest bucket."""
+        results: list[torch.Tensor] = []
         largest = self.buckets[-1]
-        for start in range(0, len(common), largest):
-            group = common[start:start + largest]
+        for start in range(0, len(codes_list), largest):
+            group = codes_list[start:start + largest]
             bucket = next(b for b in self.buckets if b >= len(group))
-            self.codes[:len(group)] = torch.stack([codes_list[i] for i in group]).to(self.codes.device)
+            self.codes[:len(group)] = torch.stack(list(group)).to(self.codes.device)
             graph, out = self.graphs[bucket]
             graph.replay()
-            waves = out[:len(group)].clone()  # the next replay reuses the graph's output buffer
-            for row, index in enumerate(group):
-                results[index] = waves[row]
-        if others:
-            for index, wave in zip(others, self.decoder.decode([codes_list[i] for i in others])):
-                results[index] = wave
-        return results  # type: ignore[return-value]
+            results.extend(out[:len(group)].clone())  # the next replay reuses the output buffer
+        return results
 
 
 class MultiLengthDecodeGraphs:
@@ -77,16 +71,18 @@ class MultiLengthDecodeGraphs:
         for length in sorted(self.by_length, reverse=True):  # the largest activations first
             pool = self.by_length[length].capture_all(pool)
 
+    def captured(self, frames: int) -> bool:
+        """Pieces of ``frames`` frames replay a graph (others decode eagerly)."""
+        return frames in self.by_length
+
     def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(codes_list)
         groups: dict[int, list[int]] = {}
         for index, codes in enumerate(codes_list):
-            groups.setdefault(codes.shape[0] if codes.shape[0] in self.by_length else -1, []).append(index)
+            frames = codes.shape[0]
+            groups.setdefault(frames if self.captured(frames) else -1, []).append(index)
         for length, indices in groups.items():
-            if length == -1:
-                waves = self.decoder.decode([codes_list[i] for i in indices])
-            else:
-                waves = self.by_length[length].decode([codes_list[i] for i in indices])
-            for index, wave in zip(indices, waves):
+            decode = self.decoder.decode if length == -1 else self.by_length[length].decode
+            for index, wave in zip(indices, decode([codes_list[i] for i in indices])):
                 results[index] = wave
         return results  # type: ignore[return-value]

@@ -89,7 +89,8 @@ class ModelRunner:
         # written by the admission prefill, read by every text prefill of the slot's stream
         self.speakers = torch.zeros(options.max_slots, cfg.tts.hidden_size, device=self.device,
                                     dtype=self.dtype)
-        self.options = options
+        # decode-step attention that reads only the key blocks each row sees (layers.py)
+        self.reads_visible_blocks = options.one_query_attention == "flex"
         self.window = options.steps_per_sync
         self.spans = key_count_buckets(options.tts_max_positions + 1)
         # What the device was asked to do, by kind (benchmarks turn it into bytes moved per
@@ -103,7 +104,7 @@ class ModelRunner:
         set_one_query_attention(model.tts, options.one_query_attention)
         # The chat LLM's decode step reads 15 GB of weights and little cache: flex would only
         # add a compile per captured shape to the start, so it keeps SDPA.
-        set_one_query_attention(model.llm, "sdpa" if options.one_query_attention == "flex"
+        set_one_query_attention(model.llm, "sdpa" if self.reads_visible_blocks
                                 else options.one_query_attention)
         if self.device.type == "cuda":
             self._warm_up_int4(model)
@@ -245,9 +246,9 @@ class ModelRunner:
         """Batched text prefills (TTS slot, work item): items of up to :data:`PREFILL_TOKENS`
         tokens in passes of that width, longer ones in passes of :data:`LONG_PREFILL_TOKENS`
         (causal, so a long prefill split in passes writes exactly what one pass would)."""
-        for width in (PREFILL_TOKENS, LONG_PREFILL_TOKENS):
-            group = [(slot, item) for slot, item in items
-                     if (len(item.token_ids) <= PREFILL_TOKENS) == (width == PREFILL_TOKENS)]
+        short = [(slot, item) for slot, item in items if len(item.token_ids) <= PREFILL_TOKENS]
+        long = [(slot, item) for slot, item in items if len(item.token_ids) > PREFILL_TOKENS]
+        for group, width in ((short, PREFILL_TOKENS), (long, LONG_PREFILL_TOKENS)):
             if group:
                 self._text_prefill_passes(group, width)
 
@@ -317,7 +318,7 @@ class ModelRunner:
         """Count a window of ``rows`` (graph padding included) over ``span`` keys. Attention that
         reads only the key blocks a row can see (flex) reads at most each stream's own blocks
         up to its last position in the window, whatever the span."""
-        if self.options.one_query_attention == "flex":
+        if self.reads_visible_blocks:
             block = FLEX_KEY_BLOCK
             last = (inputs.position + self.window).clamp(max=span)
             key_reads = int(((last + block - 1) // block * block).sum()) * self.window
@@ -343,7 +344,7 @@ class GraphModelRunner(ModelRunner):
         super().__init__(model, options, penalty_width)
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
-                                            whole_span_only=options.one_query_attention == "flex")
+                                            whole_span_only=self.reads_visible_blocks)
         self.text_prefill_graphs = {
             PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
                                               max_rows=TEXT_PREFILL_ROWS),
@@ -379,7 +380,7 @@ class GraphModelRunner(ModelRunner):
 
     def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
         if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager
-            eager = sum(len(f) not in self.decoder.by_length for f in frames)
+            eager = sum(not self.decoder.captured(len(f)) for f in frames)
             if eager:
                 self.work.update(decode_eager_pieces=eager)
         return super().decode(frames)
