@@ -187,6 +187,33 @@ def step_phase_percentiles(records) -> dict:
     return out
 
 
+async def profile_kernels(engine: MiniCPMOEngine, delay_s: float, seconds: float) -> dict:
+    """``seconds`` of the running level under ``torch.profiler``, from ``delay_s`` after its
+    start (the steady state): how busy the GPU was over the window (the kernels' summed time;
+    two streams that overlap can make it exceed the window) and the kernels that took the most
+    GPU time, with the engine steps the window held. Whether a step is bound by the device or
+    by the host that feeds it is this number."""
+    from torch.profiler import ProfilerActivity, profile
+
+    await asyncio.sleep(delay_s)
+    steps_before = engine.stats().steps
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        await asyncio.sleep(seconds)
+        torch.cuda.synchronize()
+    window_s = time.perf_counter() - started
+    steps = engine.stats().steps - steps_before
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"window_s": round(window_s, 3), "engine_steps": steps,
+            "gpu_busy_fraction": round(busy_us / 1e6 / window_s, 3),
+            "gpu_ms_per_step": round(busy_us / 1000 / max(steps, 1), 2),
+            "top_kernels": [{"name": e.key[:120], "calls_per_step": round(e.count / max(steps, 1), 1),
+                             "ms_per_step": round(e.self_device_time_total / 1000 / max(steps, 1), 3)}
+                            for e in kernels[:25]]}
+
+
 async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival: str,
                     args: argparse.Namespace) -> dict:
     rng = random.Random(concurrency)
@@ -208,6 +235,10 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     work_before = engine.device_work()
     phases_before = engine.phase_seconds()
     started = time.perf_counter()
+    profiled = None
+    if getattr(args, "kernel_profile_s", 0) and concurrency > 1 and torch.cuda.is_available():
+        profiled = asyncio.ensure_future(profile_kernels(engine, args.audio_seconds * 0.8,
+                                                         args.kernel_profile_s))
     results = await asyncio.gather(*(run_one(engine, make_request(i, mode, args), d)
                                      for i, d in enumerate(delays)))
     wall = time.perf_counter() - started
@@ -258,6 +289,8 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "phase_ms_per_step": phases,
         "device_work": work,
     }
+    if profiled is not None:
+        summary["kernel_profile"] = await profiled
     summary["ok"] = bool(realtime_share >= 0.99 and (summary["ttfb_ms_p99"] or 1e9) <= 500)
     summary["sample_request"] = results[0]
     print(json.dumps({k: v for k, v in summary.items() if k != "sample_request"}), flush=True)
@@ -512,6 +545,10 @@ def main() -> None:
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "
                              "so it slows the engine down; off for headline numbers)")
+    parser.add_argument("--kernel-profile-s", type=float, default=0.0,
+                        help="profile this many seconds of each level above one stream with "
+                             "torch.profiler (GPU busy fraction, top kernels per step; slows "
+                             "that window: a diagnosis, not a headline run)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--checkpoint", default=None,
                         help="load this checkpoint (official layout) instead of random weights")

@@ -51,10 +51,12 @@ class LLMStepInputs:
 
 
 def llm_decode_step(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: torch.Tensor,
-                    contiguous: bool, path: str = "auto") -> torch.Tensor:
+                    contiguous: bool, path: str = "auto", key_count: int | None = None) -> torch.Tensor:
     """One decode step of rows ``rows`` of ``cache``; the next token per row, sampled along
-    ``path`` (:func:`sample_next_token`)."""
-    keys = torch.arange(cache.max_positions + 1, device=x.token.device)
+    ``path`` (:func:`sample_next_token`). Attention reads the first ``key_count`` positions of
+    the cache (default: all of it), which must hold every active row's ``position``."""
+    keys = torch.arange(cache.max_positions + 1 if key_count is None else key_count,
+                        device=x.token.device)
     visible = keys[None, :] <= x.position[:, None]
     visible = torch.where(x.active[:, None], visible, keys[None, :] == 0)
     write = torch.where(x.active, x.position, torch.full_like(x.position, cache.scratch_position))
@@ -84,10 +86,20 @@ def sample_next_token(logits: torch.Tensor, x: LLMStepInputs, path: str = "auto"
     return sample_full_vocabulary(logits, *args)
 
 
+def llm_key_spans(total: int) -> list[int]:
+    """Key spans the LLM step graphs are captured for: 128, 256, 512, 1024, then steps of 1024,
+    each at most half of ``total`` (the whole cache), and ``total`` itself. A step reads the
+    shortest that holds its rows' positions: SDPA reads every key of the span for every row
+    (2049 positions x 128 rows of Qwen2-7B are 15 GB, as much as its weights), while chat rows
+    are mostly a few hundred positions long."""
+    spans = [128, 256, 512] + list(range(1024, total, 1024))
+    return sorted({s for s in spans if 2 * s <= total} | {total})
+
+
 class LLMStepGraphs:
-    """:func:`llm_decode_step` as CUDA graphs per batch bucket over LLM slots ``0..b-1``: one that
-    samples over the full vocabulary and, from ``CANDIDATE_MIN_ROWS`` rows up, one that samples
-    from candidates (:func:`sample_next_token`).
+    """:func:`llm_decode_step` as CUDA graphs per batch bucket over LLM slots ``0..b-1`` and key
+    span (:func:`llm_key_spans`): one that samples over the full vocabulary and, from
+    ``CANDIDATE_MIN_ROWS`` rows up, one that samples from candidates (:func:`sample_next_token`).
 
     :meth:`run` knows every row's ``top_k`` on the host: when all are within
     ``CANDIDATE_TOP_K`` it replays the candidates graph, and only if a row comes back -1 (logits
@@ -109,16 +121,26 @@ class LLMStepGraphs:
             window=zeros(torch.long, window))
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
-        # (bucket, path), largest bucket last: captured first into the shared pool
-        self.keys = [(b, path) for b in self.buckets for path in ("full", "candidates")
+        self.spans = llm_key_spans(cache.max_positions + 1)
+        # (bucket, span, path), the largest last: captured first into the shared pool
+        self.keys = [(b, span, path) for b in self.buckets for span in self.spans
+                     for path in ("full", "candidates")
                      if path == "full" or b >= CANDIDATE_MIN_ROWS]
-        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pinned: torch.Tensor | None = None  # tokens of a launched step (see launch)
 
     def _forward(self, index: int) -> torch.Tensor:
-        bucket, path = self.keys[index]
+        bucket, span, path = self.keys[index]
         return llm_decode_step(self.llm, self.cache, self.inputs.slice(bucket), self.rows[:bucket],
-                               True, path)
+                               True, path, span)
+
+    def shape(self, slots: list[int], x: LLMStepInputs) -> tuple[int, int]:
+        """The batch bucket and key span a step of rows ``slots`` at positions ``x.position``
+        replays: the smallest bucket past the highest slot (it computes every row below it)
+        and the shortest span that holds every row's position."""
+        bucket = next(b for b in self.buckets if b > max(slots))
+        last = int(x.position.max())
+        return bucket, next((s for s in self.spans if s > last), self.spans[-1])
 
     def capture_all(self) -> None:
         # A capture stream of their own: these graphs replay beside the audio window when the
@@ -127,29 +149,29 @@ class LLMStepGraphs:
                                     capture_stream=separate_capture_stream())
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
-    def _place(self, slots: list[int], x: LLMStepInputs) -> tuple[int, torch.Tensor, str]:
-        """Write the rows' inputs into the graphs' static inputs (current stream); the bucket,
-        the rows' index and the path to replay first."""
-        bucket = next(b for b in self.buckets if b > max(slots))
+    def _place(self, slots: list[int], x: LLMStepInputs) -> tuple[tuple[int, int], torch.Tensor, str]:
+        """Write the rows' inputs into the graphs' static inputs (current stream); the (bucket,
+        span) to replay, the rows' index and the path to replay first."""
+        shape = self.shape(slots, x)
         index = torch.tensor(slots, device=self.rows.device)
-        self.inputs.active[:bucket] = False
+        self.inputs.active[:shape[0]] = False
         for f in fields(LLMStepInputs):
             getattr(self.inputs, f.name)[index] = getattr(x, f.name).to(self.rows.device)
-        fast = (bucket, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K
-        return bucket, index, "candidates" if fast else "full"
+        fast = (*shape, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K
+        return shape, index, "candidates" if fast else "full"
 
     def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
-        bucket, index, path = self._place(slots, x)
+        shape, index, path = self._place(slots, x)
         if path == "candidates":
-            graph, out = self.graphs[(bucket, "candidates")]
+            graph, out = self.graphs[(*shape, "candidates")]
             graph.replay()
             tokens = out[index].cpu()
             if bool((tokens >= 0).all()):
                 return tokens
-        return self._replay_full(bucket, index)
+        return self._replay_full(shape, index)
 
-    def _replay_full(self, bucket: int, index: torch.Tensor) -> torch.Tensor:
-        graph, out = self.graphs[(bucket, "full")]
+    def _replay_full(self, shape: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
+        graph, out = self.graphs[(*shape, "full")]
         graph.replay()
         return out[index].cpu()
 
@@ -157,19 +179,19 @@ class LLMStepGraphs:
         """Like :meth:`run` without waiting: the inputs are written on the current stream, the
         graph replays on ``stream`` once they are, and its tokens land in a pinned buffer kept
         for this (one launch in flight at a time; :meth:`collect` before the next)."""
-        bucket, index, path = self._place(slots, x)
+        shape, index, path = self._place(slots, x)
         if self._pinned is None:
             self._pinned = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(self.rows.device))
         with torch.cuda.stream(stream):
-            graph, out = self.graphs[(bucket, path)]
+            graph, out = self.graphs[(*shape, path)]
             graph.replay()
             host = self._pinned[:len(slots)]
             host.copy_(out[index], non_blocking=True)  # the gather is made and freed on ``stream``
             done = torch.cuda.Event()
             done.record(stream)
         index.record_stream(stream)  # made on the current stream, read on ``stream``
-        return LaunchedStep(bucket, index, path, host, done)
+        return LaunchedStep(shape, index, path, host, done)
 
     def collect(self, launched: "LaunchedStep") -> torch.Tensor:
         """The launched step's tokens (waits for them); a candidates step with a row that could
@@ -177,7 +199,7 @@ class LLMStepGraphs:
         launched.done.synchronize()
         tokens = launched.host.clone()
         if launched.path == "candidates" and not bool((tokens >= 0).all()):
-            return self._replay_full(launched.bucket, launched.index)
+            return self._replay_full(launched.shape, launched.index)
         return tokens
 
 
@@ -185,7 +207,7 @@ class LLMStepGraphs:
 class LaunchedStep:
     """An LLM step in flight on a stream of its own (:meth:`LLMStepGraphs.launch`)."""
 
-    bucket: int
+    shape: tuple[int, int]  # batch bucket and key span
     index: torch.Tensor
     path: str
     host: torch.Tensor
@@ -224,13 +246,16 @@ def write_prefixes(cache: SlotKVCache, prefixes: Sequence[VoicePrefix | None]) -
 class LLMPrefillGraphs:
     """:func:`llm_prefill` as CUDA graphs over a cache of its own, per (batch, prompt length,
     prefix length) bucket: admission prefills are a few prompts of tens to hundreds of tokens,
-    and eager they cost more in kernel launches than in weight reads. A prompt in a cloned voice
+    and eager they cost more in kernel launches than in weight reads. Short buckets (16, 32)
+    matter: a pass computes every padded token, and 8 prompts padded to 64 are 512 tokens, over
+    6 TFLOP of Qwen2-7B matmuls, while a read admission's pass held 111 real tokens on average
+    at 384 streams (docs/benchmarks/engine-wide-prefill-h100.json). A prompt in a cloned voice
     starts after its voice turn's keys and values, copied into its row before the replay; a
     prefix bucket only widens the keys attention reads. The caller copies the keys and values a
     chat stream keeps into its slot."""
 
     def __init__(self, llm: QwenLM, shape: DecoderShape, device: torch.device, dtype: torch.dtype,
-                 max_batch: int = 8, lengths: tuple[int, ...] = (64, 128, 256, 512),
+                 max_batch: int = 8, lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512),
                  prefix_lengths: tuple[int, ...] = (0,)) -> None:
         self.llm = llm
         self.cache = SlotKVCache(shape, max_batch, max(prefix_lengths) + max(lengths), device, dtype)

@@ -213,7 +213,7 @@ class ModelRunner:
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
-        self._count_llm_step(slots)
+        self._count_llm_step(slots, inputs)
         tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
                                  torch.tensor(slots, device=self.device), False).cpu()
         return tokens.tolist()
@@ -227,14 +227,13 @@ class ModelRunner:
     def llm_collect(self, launched: object) -> list[int]:
         return launched  # type: ignore[return-value]
 
-    def _llm_rows(self, slots: list[int]) -> int:
-        """Rows an LLM step over ``slots`` computes."""
-        return len(slots)
+    def _llm_shape(self, slots: list[int], inputs: LLMStepInputs) -> tuple[int, int]:
+        """Rows an LLM step over ``slots`` computes, and the key span its attention reads."""
+        return len(slots), self.llm_cache.max_positions + 1
 
-    def _count_llm_step(self, slots: list[int]) -> None:
-        rows = self._llm_rows(slots)
-        self.work.update(llm_steps=1, llm_rows=rows,
-                         llm_key_reads=rows * (self.llm_cache.max_positions + 1))
+    def _count_llm_step(self, slots: list[int], inputs: LLMStepInputs) -> None:
+        rows, span = self._llm_shape(slots, inputs)
+        self.work.update(llm_steps=1, llm_rows=rows, llm_key_reads=rows * span)
 
     def _on_device(self, inputs: LLMStepInputs) -> LLMStepInputs:
         return LLMStepInputs(**{f: getattr(inputs, f).to(self.device)
@@ -385,18 +384,17 @@ class GraphModelRunner(ModelRunner):
                 self.work.update(decode_eager_pieces=eager)
         return super().decode(frames)
 
-    def _llm_rows(self, slots: list[int]) -> int:
-        # the graph of the smallest bucket past the highest slot computes every row below it
-        return next(b for b in self.llm_graphs.buckets if b > max(slots))
+    def _llm_shape(self, slots: list[int], inputs: LLMStepInputs) -> tuple[int, int]:
+        return self.llm_graphs.shape(slots, inputs)
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
-        self._count_llm_step(slots)
+        self._count_llm_step(slots, inputs)
         return self.llm_graphs.run(slots, inputs).tolist()
 
     def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
         """The LLM step's graph on a CUDA stream of its own: the audio window queued after it
         on the current stream runs beside it."""
-        self._count_llm_step(slots)
+        self._count_llm_step(slots, inputs)
         self.work.update(llm_launches=1)
         if self._llm_stream is None:
             self._llm_stream = torch.cuda.Stream(self.device)

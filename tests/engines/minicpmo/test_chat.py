@@ -11,7 +11,13 @@ import torch
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
 from serve_app.engines.minicpmo.layers import SlotKVCache
-from serve_app.engines.minicpmo.llm_step import llm_prefill
+from serve_app.engines.minicpmo.llm_step import (
+    LLMStepGraphs,
+    LLMStepInputs,
+    llm_decode_step,
+    llm_key_spans,
+    llm_prefill,
+)
 from serve_app.engines.minicpmo.loader import load_speech_model
 from serve_app.engines.minicpmo.text import PIECE_TOKENS, TTS_EOS_MARK, PieceDecoder
 
@@ -103,3 +109,46 @@ def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
     overlapped, launches = answers(True)
     assert no_launches == 0 and launches > 0
     assert overlapped == in_line and all(in_line)
+
+
+def test_llm_step_over_a_short_key_span_equals_the_step_over_the_whole_cache(engine):
+    """The CUDA graphs of the LLM step read only the shortest key span that holds their rows'
+    positions (``llm_key_spans``); that step gives the tokens and logits of the step over
+    the whole cache, inactive padding rows (which write to the scratch position past the span)
+    included."""
+    llm = engine.model.llm
+    shape = engine.model.config.llm
+    generator = torch.Generator().manual_seed(7)
+    cache = SlotKVCache(shape, 4, 256, torch.device("cpu"), torch.float32)
+    for store in (cache.all_keys, cache.all_values):
+        store.copy_(torch.randn(store.shape, generator=generator))
+    rows = 4
+    x = LLMStepInputs(
+        token=torch.randint(0, 100, (rows,), generator=generator),
+        position=torch.tensor([3, 40, 0, 90]), active=torch.tensor([True, True, False, True]),
+        temperature=torch.ones(rows), top_p=torch.ones(rows), top_k=torch.full((rows,), 1),
+        penalty=torch.ones(rows), greedy=torch.ones(rows, dtype=torch.bool),
+        seed=torch.zeros(rows, dtype=torch.long), counter=torch.zeros(rows, dtype=torch.long),
+        window=torch.zeros(rows, 1, dtype=torch.long))
+    spans = llm_key_spans(cache.max_positions + 1)
+    assert spans == [128, 257]
+    with torch.inference_mode():
+        whole_cache = cache.all_keys.clone(), cache.all_values.clone()
+        full = llm_decode_step(llm, cache, x, torch.arange(rows), True, "full")
+        written = cache.all_keys.clone(), cache.all_values.clone()
+        cache.all_keys.copy_(whole_cache[0])
+        cache.all_values.copy_(whole_cache[1])
+        short = llm_decode_step(llm, cache, x, torch.arange(rows), True, "full", spans[0])
+    assert torch.equal(short, full)
+    # the same keys and values written (deeper layers' to float rounding: their inputs come
+    # from attention summed over a shorter span), nothing written past the span but scratch
+    torch.testing.assert_close(cache.all_keys, written[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.all_values, written[1], rtol=1e-5, atol=1e-5)
+    changed = (cache.all_keys != whole_cache[0]).any(dim=(0, 2, 4))  # [slots, positions]
+    assert changed.nonzero().tolist() == [[0, 3], [1, 40], [2, 256], [3, 90]]
+    # what the graphs replay: the bucket past the highest slot, the shortest span that holds
+    # every position (a position of 128 needs the whole cache here)
+    graphs = LLMStepGraphs(llm, cache, 1, torch.device("cpu"))
+    assert graphs.shape([0, 1, 2, 3], x) == (4, 128)
+    x.position[1] = 128
+    assert graphs.shape([0, 1, 2, 3], x) == (4, 257)
