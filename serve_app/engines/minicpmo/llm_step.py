@@ -246,16 +246,13 @@ def write_prefixes(cache: SlotKVCache, prefixes: Sequence[VoicePrefix | None]) -
 class LLMPrefillGraphs:
     """:func:`llm_prefill` as CUDA graphs over a cache of its own, per (batch, prompt length,
     prefix length) bucket: admission prefills are a few prompts of tens to hundreds of tokens,
-    and eager they cost more in kernel launches than in weight reads. Short buckets (16, 32)
-    matter: a pass computes every padded token, and 8 prompts padded to 64 are 512 tokens, over
-    6 TFLOP of Qwen2-7B matmuls, while a read admission's pass held 111 real tokens on average
-    at 384 streams (docs/benchmarks/engine-wide-prefill-h100.json). A prompt in a cloned voice
+    and eager they cost more in kernel launches than in weight reads. A prompt in a cloned voice
     starts after its voice turn's keys and values, copied into its row before the replay; a
     prefix bucket only widens the keys attention reads. The caller copies the keys and values a
     chat stream keeps into its slot."""
 
     def __init__(self, llm: QwenLM, shape: DecoderShape, device: torch.device, dtype: torch.dtype,
-                 max_batch: int = 8, lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512),
+                 max_batch: int = 8, lengths: tuple[int, ...] = (64, 128, 256, 512),
                  prefix_lengths: tuple[int, ...] = (0,)) -> None:
         self.llm = llm
         self.cache = SlotKVCache(shape, max_batch, max(prefix_lengths) + max(lengths), device, dtype)

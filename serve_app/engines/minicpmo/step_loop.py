@@ -175,10 +175,11 @@ class StepLoop:
         self._admit(next(self._step_counter))
         t = self._phase("admit_prefill", t)
         launched = self._launch_chat_text()
-        prefills = self._decode_chat_text() if launched is None else []
+        if launched is None:
+            self._decode_chat_text()
         t = self._phase("llm_decode", t)
         self._take_fed_text()
-        prefills += [work for stream in self.scheduler.running() for work in self._read_text(stream)]
+        prefills = [work for stream in self.scheduler.running() for work in self._read_text(stream)]
         t = self._phase("schedule", t)
         self._run_tts_prefills(prefills)
         t = self._phase("tts_prefill", t)
@@ -317,27 +318,18 @@ class StepLoop:
             if stream.llm_slot >= 0:
                 self._accept_token(stream, token)
 
-    def _decode_chat_text(self) -> list[tuple[Stream, object]]:
+    def _decode_chat_text(self) -> None:
         """One batched LLM step for every chat stream below its lookahead; more steps (up to
-        ``steps_per_sync``) while a stream's speech waits for text. The pieces of a waiting
-        stream go into its schedule between steps, so that it waits only while its schedule
-        does: a new stream's first generate call needs its first chunk of text (often two or
-        three pieces), and starts in this engine step instead of one step per piece. Returns
-        the TTS work those pieces made."""
-        work: list[tuple[Stream, object]] = []
+        ``steps_per_sync``) while a stream's speech waits for its next piece."""
         for _ in range(self.options.steps_per_sync):
             streams = self._chat_text_rows()
             if not streams:
-                break
+                return
             self._take_tokens(streams, self.runner.llm_step([s.llm_slot for s in streams],
                                                             self.chat.inputs(streams)))
-            waiting = [s for s in streams if s.schedule.phase is Phase.WAITING_TEXT]
-            for stream in waiting:
-                work.extend(self._read_text(stream))
-            if not any(s.schedule.phase is Phase.WAITING_TEXT and not s.text_done
-                       for s in waiting):
-                break
-        return work
+            if not any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
+                       for s in streams):
+                return
 
     def _accept_token(self, stream: Stream, token: int) -> None:
         if self.chat.accept(stream, token):

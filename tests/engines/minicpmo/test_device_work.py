@@ -89,36 +89,6 @@ def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
                for record in log)
 
 
-def test_a_new_chat_stream_decodes_a_full_window_of_tokens_each_step_until_it_speaks(engine) -> None:
-    """A new chat stream's first generate call needs its first chunk of text (here four
-    pieces of three tokens, 12 tokens): its pieces go into its schedule between LLM steps, so every
-    engine step before its first audio runs ``steps_per_sync`` LLM steps, not one step per
-    piece, and it speaks after ceil(11 / 5) = 3 steps (the prefill samples the first token)."""
-    import time
-
-    # earlier tests' steps are all logged once the counts agree (see above)
-    deadline = time.monotonic() + 60
-    while len(engine.step_log()) != engine.stats().steps:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    since = time.perf_counter()
-
-    async def run() -> None:
-        (stream,) = engine.submit([SpeechRequest(
-            "chat-first-call", "Say something short.", mode="chat",
-            lengths=LengthControls(llm_tokens=12, audio_frames=40))])
-        async for _ in stream:
-            pass
-
-    asyncio.run(run())
-    log = engine.step_log(since)
-    admitted = next(i for i, record in enumerate(log) if record.queue_waits_s)
-    speaking = next(i for i, record in enumerate(log) if record.generating)
-    before = [dict(record.work).get("llm_steps", 0) for record in log[admitted:speaking]]
-    assert before == [engine.options.steps_per_sync] * len(before)
-    assert speaking - admitted == 2
-
-
 def test_garbage_collection_clock_counts_collections_until_closed() -> None:
     import gc
 
