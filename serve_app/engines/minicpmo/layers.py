@@ -94,7 +94,9 @@ class StepInputs:
     ``write_positions``: where each token's K/V goes [B, S] (scratch for padding);
     ``attend``: boolean mask [B, 1, S, T] over the first T cache positions (True = visible;
     a T shorter than the cache makes attention read only those positions);
-    ``contiguous``: rows are exactly ``0..B-1``, so the cache is sliced instead of gathered.
+    ``contiguous``: rows are exactly ``0..B-1``, so the cache is sliced instead of gathered;
+    ``block_mask``: FlexAttention's block mask of ``attend`` (:func:`visible_blocks`), built by
+    the first layer that attends with flex and read by the others.
     """
 
     rows: torch.Tensor
@@ -102,6 +104,7 @@ class StepInputs:
     write_positions: torch.Tensor
     attend: torch.Tensor
     contiguous: bool = False
+    block_mask: object | None = None
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -166,7 +169,9 @@ class SlotAttention(nn.Module):
         if seq == 1 and self.one_query_kernel == "matmul":
             out = one_query_attention(q, row_keys, row_values, step.attend)
         elif seq == 1 and self.one_query_kernel == "flex":
-            out = flex_one_query_attention(q, row_keys, row_values, step.attend)
+            if step.block_mask is None:  # once per step: every layer sees the same keys
+                step.block_mask = visible_blocks(step.attend)
+            out = flex_one_query_attention(q, row_keys, row_values, step.attend, step.block_mask)
         else:
             out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=step.attend,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
@@ -209,9 +214,11 @@ FLEX_COMPILED_SHAPES = 512
 
 @functools.cache
 def _flex_kernel():
-    """:func:`_flex_one_query` compiled where FlexAttention runs as a fused kernel (CUDA); the
-    block mask is built inside the compiled function, so a new mask each step is new data, not
-    new code. Compiled with static shapes, once per (batch, span) the engine captures: the
+    """:func:`_flex_one_query` compiled where FlexAttention runs as a fused kernel (CUDA). The
+    block mask comes in built (once per decode step, shared by every layer: built in each
+    layer, its reduction and sort took 2.4 ms of a 55-65 ms step at 384 read streams on an
+    H100, docs/benchmarks/README.md); a new mask is new data, not new code (no recompile).
+    Compiled with static shapes, once per (batch, span) the engine captures: the
     dynamic form torch switches to after a second shape ran 14-22x slower on an H100 and failed
     to lower at a 1024-key span (docs/benchmarks/README.md, "Decode attention"). On CPU the
     eager form (every score materialized: the reference the tests use)."""
@@ -219,9 +226,9 @@ def _flex_kernel():
         compiled = torch.compile(_flex_one_query, dynamic=False)
 
         def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                attend: torch.Tensor) -> torch.Tensor:
+                block_mask) -> torch.Tensor:
             with torch._dynamo.config.patch(recompile_limit=FLEX_COMPILED_SHAPES):
-                return compiled(q, keys, values, attend)
+                return compiled(q, keys, values, block_mask)
 
         return run
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
@@ -261,19 +268,20 @@ def visible_blocks(attend: torch.Tensor, block: int = FLEX_KEY_BLOCK):
 
 
 def _flex_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    attend: torch.Tensor) -> torch.Tensor:
+                    block_mask) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, keys, values, block_mask=visible_blocks(attend),
+    return flex_attention(q, keys, values, block_mask=block_mask,
                           enable_gqa=q.shape[1] != keys.shape[1])
 
 
 def flex_one_query_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                             attend: torch.Tensor) -> torch.Tensor:
+                             attend: torch.Tensor, block_mask=None) -> torch.Tensor:
     """Attention of one query per row (shapes as :func:`one_query_attention`) with
-    FlexAttention over :func:`visible_blocks`: a row reads only the key blocks it can see, not
-    the whole span the batch shares."""
-    return _flex_kernel()(q, keys, values, attend)
+    FlexAttention over :func:`visible_blocks` of ``attend`` (or ``block_mask``, built from it
+    already): a row reads only the key blocks it can see, not the whole span the batch shares."""
+    return _flex_kernel()(q, keys, values,
+                          visible_blocks(attend) if block_mask is None else block_mask)
 
 
 def _plain_linears(linears: tuple[nn.Module, ...]) -> bool:

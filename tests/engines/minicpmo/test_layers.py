@@ -53,3 +53,49 @@ def test_flex_attention_reads_only_the_blocks_a_row_sees_and_matches_fused_atten
                                           enable_gqa=heads != kv_heads)
     got = flex_one_query_attention(q, keys, values, attend)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_layers_share_one_block_mask_per_step():
+    """The first layer that attends with flex builds the step's block mask and every layer
+    reads it: a decoder step over a cache gives the SDPA step's output, leaves the mask in the
+    step, and a step handed a mask that hides most keys attends through that mask instead."""
+    from serve_app.engines.minicpmo.layers import (
+        DecoderShape,
+        SlotDecoder,
+        SlotKVCache,
+        StepInputs,
+        set_one_query_attention,
+    )
+
+    torch.manual_seed(0)
+    shape = DecoderShape(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                         num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=False)
+    decoder = SlotDecoder(shape).eval()
+    cache = SlotKVCache(shape, 3, 300, torch.device("cpu"), torch.float32)
+    for store in (cache.all_keys, cache.all_values):
+        store.normal_()
+    positions = torch.tensor([5, 140, 299])
+    index = torch.arange(cache.max_positions + 1)
+    attend = (index[None, :] <= positions[:, None])[:, None, None, :]
+    hidden = torch.randn(3, 1, 32)
+
+    def step(block_mask=None) -> StepInputs:
+        return StepInputs(torch.arange(3), positions[:, None], positions[:, None], attend, True,
+                          block_mask)
+
+    with torch.inference_mode():
+        set_one_query_attention(decoder, "sdpa")
+        want = decoder(hidden, cache, step())
+        set_one_query_attention(decoder, "flex")
+        flex_step = step()
+        got = decoder(hidden, cache, flex_step)
+        assert flex_step.block_mask is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # handed the mask of "key 0 only", the layers attend as SDPA does under that mask
+        key_zero = torch.zeros_like(attend).index_fill_(-1, torch.tensor([0]), True)
+        through_given_mask = decoder(hidden, cache, step(visible_blocks(key_zero)))
+        set_one_query_attention(decoder, "sdpa")
+        key_zero_step = StepInputs(torch.arange(3), positions[:, None], positions[:, None],
+                                   key_zero, True)
+        torch.testing.assert_close(through_given_mask, decoder(hidden, cache, key_zero_step),
+                                   rtol=1e-5, atol=1e-5)
