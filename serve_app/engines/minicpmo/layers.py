@@ -217,7 +217,8 @@ def _flex_kernel():
     """:func:`_flex_one_query` compiled where FlexAttention runs as a fused kernel (CUDA). The
     block mask comes in built (once per decode step, shared by every layer: built in each
     layer, its reduction and sort took 2.4 ms of a 55-65 ms step at 384 read streams on an
-    H100, docs/benchmarks/README.md); a new mask is new data, not new code (no recompile).
+    H100, docs/benchmarks/README.md); a new mask is new data, not new code (torch 2.13 on the
+    CPU compiled it once for three masks of one shape).
     Compiled with static shapes, once per (batch, span) the engine captures: the
     dynamic form torch switches to after a second shape ran 14-22x slower on an H100 and failed
     to lower at a 1024-key span (docs/benchmarks/README.md, "Decode attention"). On CPU the
