@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -34,15 +35,42 @@ STARTED_LINE = "Ray runtime started"
 START_ATTEMPTS = 5
 
 
+RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default worker range
+QUIET_PORTS_FROM = 20000  # up to the OS's ephemeral range: ports no process is handed unasked
+
+
+def ephemeral_port_range() -> range:
+    """The ports the OS hands out for ``bind(0)`` and outgoing connections (Linux's file;
+    its default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct ports the OS calls free now (outside Ray's default worker range 10002-19999)."""
+    """Distinct ports free now, from those no process is handed unasked: above Ray's worker
+    range and below the OS's ephemeral range. An ephemeral one is taken back within seconds by
+    Ray's own processes, which bind ephemeral ports and connect out from them (a Serve proxy
+    once failed to bind its HTTP port that way). Where that gap is too small, ephemeral ports
+    outside Ray's worker range."""
+    quiet = range(QUIET_PORTS_FROM, ephemeral_port_range().start)
     with ExitStack() as stack:
         ports: list[int] = []
+        tries = 0
         while len(ports) < count:
             probe = stack.enter_context(socket.socket())
-            probe.bind(("127.0.0.1", 0))
+            tries += 1
+            if len(quiet) >= 1000 and tries <= 1000:
+                try:
+                    probe.bind(("127.0.0.1", random.choice(quiet)))
+                except OSError:
+                    continue
+            else:
+                probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-            if not 10002 <= port <= 19999:
+            if port not in RAY_WORKER_PORTS and port not in ports:
                 ports.append(port)
         return ports
 
