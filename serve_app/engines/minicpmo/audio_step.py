@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from .graphs import bucket_sizes, capture_per_bucket
+from .graphs import bucket_sizes, capture_per_bucket, shortest_span
 from .layers import SlotKVCache, StepInputs, causal_attend
 from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
@@ -191,8 +191,7 @@ def key_count_buckets(total: int) -> list[int]:
 
 def attention_span(x: AudioStepInputs, steps: int, spans: list[int]) -> int:
     """The shortest of ``spans`` that holds every row's last position in a window of ``steps``."""
-    last = int(x.position.max()) + steps - 1
-    return next((span for span in spans if span > last), spans[-1])
+    return shortest_span(spans, int(x.position.max()) + steps - 1)
 
 
 class AudioStepGraphs:
@@ -340,5 +339,4 @@ class TextPrefillGraphs:
             self.speaker_at[:count] = packed[:, 1 + 3 * width:].bool()
             self.speaker[:count] = speaker[part]
             last = int(positions[part][valid[part]].max()) if bool(valid[part].any()) else 0
-            span = next((s for s in self.spans if s > last), self.spans[-1])
-            self.graphs[(bucket, span)][0].replay()
+            self.graphs[(bucket, shortest_span(self.spans, last))][0].replay()

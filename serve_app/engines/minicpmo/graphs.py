@@ -12,6 +12,12 @@ def bucket_sizes(limit: int) -> list[int]:
     return sorted({min(2 ** i, limit) for i in range(20) if 2 ** i < 2 * limit})
 
 
+def shortest_span(spans: list[int], last: int) -> int:
+    """The shortest of ``spans`` (ascending key counts a set of graphs is captured for) that
+    holds position ``last``; the longest (the whole cache) if none does."""
+    return next((span for span in spans if span > last), spans[-1])
+
+
 def separate_capture_stream() -> torch.cuda.Stream:
     """A capture stream for graphs that replay *while* graphs captured the default way run.
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream
+from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream, shortest_span
 from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
 from .modeling import QwenLM
 from .voices import VoicePrefix
@@ -138,9 +138,8 @@ class LLMStepGraphs:
         """The batch bucket and key span a step of rows ``slots`` at positions ``x.position``
         replays: the smallest bucket past the highest slot (it computes every row below it)
         and the shortest span that holds every row's position."""
-        bucket = next(b for b in self.buckets if b > max(slots))
-        last = int(x.position.max())
-        return bucket, next((s for s in self.spans if s > last), self.spans[-1])
+        return (next(b for b in self.buckets if b > max(slots)),
+                shortest_span(self.spans, int(x.position.max())))
 
     def capture_all(self) -> None:
         # A capture stream of their own: these graphs replay beside the audio window when the
@@ -149,10 +148,12 @@ class LLMStepGraphs:
                                     capture_stream=separate_capture_stream())
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
-    def _place(self, slots: list[int], x: LLMStepInputs) -> tuple[tuple[int, int], torch.Tensor, str]:
+    def _place(self, slots: list[int], x: LLMStepInputs,
+               shape: tuple[int, int] | None) -> tuple[tuple[int, int], torch.Tensor, str]:
         """Write the rows' inputs into the graphs' static inputs (current stream); the (bucket,
-        span) to replay, the rows' index and the path to replay first."""
-        shape = self.shape(slots, x)
+        span) to replay (``shape``, :meth:`shape`'s answer when the caller has it), the rows'
+        index and the path to replay first."""
+        shape = shape or self.shape(slots, x)
         index = torch.tensor(slots, device=self.rows.device)
         self.inputs.active[:shape[0]] = False
         for f in fields(LLMStepInputs):
@@ -160,8 +161,9 @@ class LLMStepGraphs:
         fast = (*shape, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K
         return shape, index, "candidates" if fast else "full"
 
-    def run(self, slots: list[int], x: LLMStepInputs) -> torch.Tensor:
-        shape, index, path = self._place(slots, x)
+    def run(self, slots: list[int], x: LLMStepInputs,
+            shape: tuple[int, int] | None = None) -> torch.Tensor:
+        shape, index, path = self._place(slots, x, shape)
         if path == "candidates":
             graph, out = self.graphs[(*shape, "candidates")]
             graph.replay()
@@ -175,11 +177,12 @@ class LLMStepGraphs:
         graph.replay()
         return out[index].cpu()
 
-    def launch(self, slots: list[int], x: LLMStepInputs, stream: torch.cuda.Stream) -> "LaunchedStep":
+    def launch(self, slots: list[int], x: LLMStepInputs, stream: torch.cuda.Stream,
+               shape: tuple[int, int] | None = None) -> "LaunchedStep":
         """Like :meth:`run` without waiting: the inputs are written on the current stream, the
         graph replays on ``stream`` once they are, and its tokens land in a pinned buffer kept
         for this (one launch in flight at a time; :meth:`collect` before the next)."""
-        shape, index, path = self._place(slots, x)
+        shape, index, path = self._place(slots, x, shape)
         if self._pinned is None:
             self._pinned = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(self.rows.device))

@@ -213,7 +213,7 @@ class ModelRunner:
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
-        self._count_llm_step(slots, inputs)
+        self._count_llm_step(len(slots), self.llm_cache.max_positions + 1)
         tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
                                  torch.tensor(slots, device=self.device), False).cpu()
         return tokens.tolist()
@@ -227,12 +227,8 @@ class ModelRunner:
     def llm_collect(self, launched: object) -> list[int]:
         return launched  # type: ignore[return-value]
 
-    def _llm_shape(self, slots: list[int], inputs: LLMStepInputs) -> tuple[int, int]:
-        """Rows an LLM step over ``slots`` computes, and the key span its attention reads."""
-        return len(slots), self.llm_cache.max_positions + 1
-
-    def _count_llm_step(self, slots: list[int], inputs: LLMStepInputs) -> None:
-        rows, span = self._llm_shape(slots, inputs)
+    def _count_llm_step(self, rows: int, span: int) -> None:
+        """An LLM step of ``rows`` rows (graph padding included) reading ``span`` keys each."""
         self.work.update(llm_steps=1, llm_rows=rows, llm_key_reads=rows * span)
 
     def _on_device(self, inputs: LLMStepInputs) -> LLMStepInputs:
@@ -384,21 +380,20 @@ class GraphModelRunner(ModelRunner):
                 self.work.update(decode_eager_pieces=eager)
         return super().decode(frames)
 
-    def _llm_shape(self, slots: list[int], inputs: LLMStepInputs) -> tuple[int, int]:
-        return self.llm_graphs.shape(slots, inputs)
-
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
-        self._count_llm_step(slots, inputs)
-        return self.llm_graphs.run(slots, inputs).tolist()
+        shape = self.llm_graphs.shape(slots, inputs)
+        self._count_llm_step(*shape)
+        return self.llm_graphs.run(slots, inputs, shape).tolist()
 
     def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
         """The LLM step's graph on a CUDA stream of its own: the audio window queued after it
         on the current stream runs beside it."""
-        self._count_llm_step(slots, inputs)
+        shape = self.llm_graphs.shape(slots, inputs)
+        self._count_llm_step(*shape)
         self.work.update(llm_launches=1)
         if self._llm_stream is None:
             self._llm_stream = torch.cuda.Stream(self.device)
-        return self.llm_graphs.launch(slots, inputs, self._llm_stream)
+        return self.llm_graphs.launch(slots, inputs, self._llm_stream, shape)
 
     def llm_collect(self, launched: object) -> list[int]:
         return self.llm_graphs.collect(launched).tolist()  # type: ignore[arg-type]
