@@ -18,6 +18,7 @@ from .graphs import bucket_sizes, capture_per_bucket, shortest_span
 from .layers import SlotKVCache, StepInputs, causal_attend
 from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
+from .transfer import HostCopy, StagingFence, to_device
 
 if TYPE_CHECKING:
     from .speech_schedule import AudioStep
@@ -213,6 +214,7 @@ class AudioStepGraphs:
         columns = packed_columns(self.num_vq)
         self.packed = torch.zeros(slots, columns, device=device, dtype=torch.long)
         self.host = torch.zeros(slots, columns, dtype=torch.long).pin_memory()
+        self._staging = StagingFence()  # ``host`` is rewritten only once its last copy has run
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
         # Attention that skips the key blocks each row cannot see (flex) needs no shorter spans:
@@ -235,19 +237,21 @@ class AudioStepGraphs:
         return (next(b for b in self.buckets if b > max(slots)),
                 attention_span(x, self.steps, self.spans))
 
-    def run(self, slots: list[int], x: AudioStepInputs,
-            shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """Inputs ``x`` (CPU) of the streams in ``slots``; returns the window
-        [steps, B, vq + 1] (CPU), as :func:`audio_window`. ``shape``: :meth:`shape`'s answer,
-        when the caller has it."""
+    def launch(self, slots: list[int], x: AudioStepInputs,
+               shape: tuple[int, int] | None = None) -> HostCopy:
+        """Inputs ``x`` (CPU) of the streams in ``slots``; queues the window and its copy to
+        the host, [steps, B, vq + 1] as :func:`audio_window`, without waiting for either.
+        ``shape``: :meth:`shape`'s answer, when the caller has it."""
         bucket, span = shape or self.shape(slots, x)
-        self.host[:bucket].zero_()
         index = torch.tensor(slots)
+        self._staging.wait()  # the last window's inputs have left the staging buffer
+        self.host[:bucket].zero_()
         self.host[index] = x.pack()
         self.packed[:bucket].copy_(self.host[:bucket], non_blocking=True)
+        self._staging.record()
         graph, out = self.graphs[(bucket, span)]
         graph.replay()
-        return out[:, index.to(out.device)].cpu()
+        return HostCopy(out[:, to_device(index, out.device)])
 
 
 PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens
@@ -329,8 +333,9 @@ class TextPrefillGraphs:
             self.speaker_at[:bucket] = False
             self.slots[:bucket] = slots[part][0]  # padding rows: a real slot, writes go to scratch
             # one host-to-device copy for all integer inputs of this pass
-            packed = torch.cat([torch.tensor(slots[part])[:, None], ids[part], positions[part],
-                                valid[part].long(), speaker_at[part].long()], dim=1).to(device)
+            packed = to_device(torch.cat([torch.tensor(slots[part])[:, None], ids[part],
+                                          positions[part], valid[part].long(),
+                                          speaker_at[part].long()], dim=1), device)
             width = ids.shape[1]
             self.slots[:count] = packed[:, 0]
             self.ids[:count] = packed[:, 1:1 + width]

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import GroupedResidualFSQ
 
+from .transfer import to_device
+
 SAMPLE_RATE_HZ = 24_000
 NUM_MEL_BINS = 100
 NUM_CODEBOOKS = 4
@@ -375,7 +377,7 @@ class SpeechDecoder(nn.Module):
                 for index in indices:
                     waveforms[index] = torch.zeros(0, device=self.device)
                 continue
-            batch = torch.stack([codes_list[index].to(self.device) for index in indices])
+            batch = to_device(torch.stack([codes_list[index] for index in indices]), self.device)
             audio = self.mel_to_audio(self.codes_to_mel(batch))
             for row, index in enumerate(indices):
                 waveforms[index] = audio[row]

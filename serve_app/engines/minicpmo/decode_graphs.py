@@ -16,6 +16,7 @@ import torch
 
 from .codec import NUM_CODEBOOKS, SpeechDecoder
 from .graphs import bucket_sizes, capture_per_bucket
+from .transfer import to_device
 
 
 class DecodeGraphs:
@@ -45,7 +46,7 @@ class DecodeGraphs:
         for start in range(0, len(codes_list), largest):
             group = codes_list[start:start + largest]
             bucket = next(b for b in self.buckets if b >= len(group))
-            self.codes[:len(group)] = torch.stack(list(group)).to(self.codes.device)
+            self.codes[:len(group)] = to_device(torch.stack(list(group)), self.codes.device)
             graph, out = self.graphs[bucket]
             graph.replay()
             results.extend(out[:len(group)].clone())  # the next replay reuses the output buffer

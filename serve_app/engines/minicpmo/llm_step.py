@@ -16,6 +16,7 @@ import torch
 
 from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream, shortest_span
 from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
+from .transfer import device_tensor, to_device
 from .modeling import QwenLM
 from .voices import VoicePrefix
 from .sampling import (
@@ -154,10 +155,10 @@ class LLMStepGraphs:
         span) to replay (``shape``, :meth:`shape`'s answer when the caller has it), the rows'
         index and the path to replay first."""
         shape = shape or self.shape(slots, x)
-        index = torch.tensor(slots, device=self.rows.device)
+        index = device_tensor(slots, self.rows.device)
         self.inputs.active[:shape[0]] = False
         for f in fields(LLMStepInputs):
-            getattr(self.inputs, f.name)[index] = getattr(x, f.name).to(self.rows.device)
+            getattr(self.inputs, f.name)[index] = to_device(getattr(x, f.name), self.rows.device)
         fast = (*shape, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K
         return shape, index, "candidates" if fast else "full"
 
@@ -296,9 +297,9 @@ class LLMPrefillGraphs:
         self.ids[:batch, :length] = 0
         self.valid[:batch, :length] = False
         self.starts[:batch] = 0
-        self.ids[:count, :longest] = ids.to(self.ids.device)
-        self.valid[:count, :longest] = valid.to(self.ids.device)
-        self.starts[:count] = torch.tensor(starts, device=self.ids.device)
+        self.ids[:count, :longest] = to_device(ids, self.ids.device)
+        self.valid[:count, :longest] = to_device(valid, self.ids.device)
+        self.starts[:count] = device_tensor(starts, self.ids.device)
         write_prefixes(self.cache, prefixes)
         graph, out = self.graphs[(batch, length, prefix)]
         graph.replay()

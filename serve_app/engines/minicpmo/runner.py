@@ -50,6 +50,7 @@ from .loader import LoadedModel
 from .options import EngineOptions, clones_voices
 from .quantization import warm_up_int4_kernels
 from .speech_schedule import TextPrefill
+from .transfer import HostCopy, device_tensor, to_device
 from .voices import VoicePrefix, VoiceTurn, prefix_length
 
 logger = logging.getLogger(__name__)
@@ -147,21 +148,21 @@ class ModelRunner:
         hidden, cache = self.llm_prefill(ids, valid, voices)
         self.work.update(llm_prefill_passes=1, llm_prefill_tokens=int(valid.sum()))
         every = torch.arange(batch, device=self.device)
-        spk_index = torch.tensor([max(i for i, t in enumerate(p) if t == spk_id) for p in prompts],
-                                 device=self.device)
+        spk_index = device_tensor([max(i for i, t in enumerate(p) if t == spk_id) for p in prompts],
+                                  self.device)
         speakers = self.model.tts.speaker_embedding(hidden[every, spk_index])
-        self.speakers[torch.tensor(list(slots), device=self.device)] = speakers
+        self.speakers[device_tensor(list(slots), self.device)] = speakers
         if not chat_rows:
             return None
         # the chat prompts stay in their LLM slots for decoding: one copy per layer for all of
         # them (positions past a prompt's end are rewritten by decoding before any query sees them)
-        rows = torch.tensor(list(chat_rows), device=self.device)
-        targets = torch.tensor(list(llm_slots), device=self.device)
+        rows = device_tensor(list(chat_rows), self.device)
+        targets = device_tensor(list(llm_slots), self.device)
         longest_chat = max(prefix_length(voices[i]) + len(prompts[i]) for i in chat_rows)
         for source, target in ((cache.keys, self.llm_cache.keys), (cache.values, self.llm_cache.values)):
             for layer_source, layer_target in zip(source, target):
                 layer_target[targets, :, :longest_chat] = layer_source[rows, :, :longest_chat]
-        last = torch.tensor([len(prompts[i]) - 1 for i in chat_rows], device=self.device)
+        last = device_tensor([len(prompts[i]) - 1 for i in chat_rows], self.device)
         return self.model.llm.logits(hidden[rows, last])
 
     def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor,
@@ -173,9 +174,9 @@ class ModelRunner:
         key_count = max(starts) + longest
         cache = SlotKVCache(self.model.config.llm, batch, key_count, self.device, self.dtype)
         write_prefixes(cache, voices)
-        hidden = llm_prefill(self.model.llm, cache, ids.to(self.device), valid.to(self.device),
-                             torch.arange(batch, device=self.device), True,
-                             torch.tensor(starts, device=self.device), key_count)
+        hidden = llm_prefill(self.model.llm, cache, to_device(ids, self.device),
+                             to_device(valid, self.device), torch.arange(batch, device=self.device),
+                             True, device_tensor(starts, self.device), key_count)
         return hidden, cache
 
     def prompt_embeddings(self, token_ids: Sequence[int], audio_positions: Sequence[int],
@@ -215,7 +216,7 @@ class ModelRunner:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
         self._count_llm_step(len(slots), self.llm_cache.max_positions + 1)
         tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
-                                 torch.tensor(slots, device=self.device), False).cpu()
+                                 device_tensor(slots, self.device), False).cpu()
         return tokens.tolist()
 
     def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
@@ -232,7 +233,7 @@ class ModelRunner:
         self.work.update(llm_steps=1, llm_rows=rows, llm_key_reads=rows * span)
 
     def _on_device(self, inputs: LLMStepInputs) -> LLMStepInputs:
-        return LLMStepInputs(**{f: getattr(inputs, f).to(self.device)
+        return LLMStepInputs(**{f: to_device(getattr(inputs, f), self.device)
                                 for f in LLMStepInputs.__dataclass_fields__})
 
     # ---- TTS ---------------------------------------------------------------------------------
@@ -265,17 +266,17 @@ class ModelRunner:
                 if item.with_speaker:
                     speaker_at[row, :len(part)] = np.asarray(part) == cfg.spk_emb_token_id
             slots = [slot for slot, _ in batch]
-            speaker = self.speakers[torch.tensor(slots, device=self.device)]
+            speaker = self.speakers[device_tensor(slots, self.device)]
             self._text_prefill_pass(slots, *(torch.from_numpy(a) for a in (ids, positions, valid)),
                                     speaker, torch.from_numpy(speaker_at))
 
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
         self._count_text_prefill(len(slots), valid)
-        ids_t, positions_t, valid_t, speaker_at_t = (t.to(self.device)
+        ids_t, positions_t, valid_t, speaker_at_t = (to_device(t, self.device)
                                                      for t in (ids, positions, valid, speaker_at))
         text_prefill_step(self.model.tts, self.tts_cache, ids_t, positions_t, valid_t, speaker,
-                          speaker_at_t, torch.tensor(slots, device=self.device), False)
+                          speaker_at_t, device_tensor(slots, self.device), False)
 
     def _count_text_prefill(self, rows: int, valid: torch.Tensor) -> None:
         self.work.update(text_prefill_passes=1, text_prefill_tokens=int(valid.sum()),
@@ -300,14 +301,15 @@ class ModelRunner:
         rows = torch.tensor([slot], device=self.device)
         tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
 
-    def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
-        """Up to ``steps_per_sync`` audio frames of the streams in TTS ``slots``: [steps, B,
-        num_vq + 1] on the CPU (see :func:`~.audio_step.audio_window`)."""
-        rows = torch.tensor(slots, device=self.device)
+    def launch_audio_window(self, slots: list[int], inputs: AudioStepInputs) -> HostCopy:
+        """Queue up to ``steps_per_sync`` audio frames of the streams in TTS ``slots``; the
+        copy's :meth:`~.transfer.HostCopy.wait` gives them, [steps, B, num_vq + 1] on the CPU
+        (see :func:`~.audio_step.audio_window`). The host may work while the device runs it."""
+        rows = device_tensor(slots, self.device)
         span = attention_span(inputs, self.window, self.spans)
         self._count_audio_window(len(slots), span, inputs)
-        return audio_window(self.model.tts, self.tts_cache, inputs.to(self.device), rows, False,
-                            self.window, span).cpu()
+        return HostCopy(audio_window(self.model.tts, self.tts_cache, inputs.to(self.device), rows,
+                                     False, self.window, span))
 
     def _count_audio_window(self, rows: int, span: int, inputs: AudioStepInputs) -> None:
         """Count a window of ``rows`` (graph padding included) over ``span`` keys. Attention that
@@ -322,13 +324,13 @@ class ModelRunner:
         self.work.update(audio_windows=1, audio_frame_steps=self.window,
                          audio_rows=rows * self.window, audio_key_reads=key_reads)
 
-    def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
-        """DVAE + Vocos: each piece's code frames to float32 audio (one device-to-host copy)."""
+    def launch_decode(self, frames: Sequence[list[list[int]]]) -> "DecodedAudio":
+        """Queue DVAE + Vocos for each piece's code frames (one device-to-host copy of all the
+        audio); :meth:`DecodedAudio.wait` gives each piece as float32 audio."""
         self.work.update(decode_calls=1, decode_frames=sum(len(f) for f in frames))
         waves = self.decoder.decode([torch.tensor(f, dtype=torch.long) for f in frames])
         offsets = np.cumsum([0] + [len(w) for w in waves])
-        flat = torch.cat([w.float() for w in waves]).cpu().numpy()
-        return [flat[offsets[i]:offsets[i + 1]] for i in range(len(waves))]
+        return DecodedAudio(HostCopy(torch.cat([w.float() for w in waves])), offsets)
 
 
 class GraphModelRunner(ModelRunner):
@@ -373,12 +375,12 @@ class GraphModelRunner(ModelRunner):
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
 
-    def decode(self, frames: Sequence[list[list[int]]]) -> list[np.ndarray]:
+    def launch_decode(self, frames: Sequence[list[list[int]]]) -> "DecodedAudio":
         if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager
             eager = sum(not self.decoder.captured(len(f)) for f in frames)
             if eager:
                 self.work.update(decode_eager_pieces=eager)
-        return super().decode(frames)
+        return super().launch_decode(frames)
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         shape = self.llm_graphs.shape(slots, inputs)
@@ -403,10 +405,22 @@ class GraphModelRunner(ModelRunner):
         self._count_text_prefill(len(slots), valid)
         self.text_prefill_graphs[ids.shape[1]].run(slots, ids, positions, valid, speaker, speaker_at)
 
-    def audio_window(self, slots: list[int], inputs: AudioStepInputs) -> torch.Tensor:
+    def launch_audio_window(self, slots: list[int], inputs: AudioStepInputs) -> HostCopy:
         shape = self.audio_graphs.shape(slots, inputs)
         self._count_audio_window(*shape, inputs)
-        return self.audio_graphs.run(slots, inputs, shape)
+        return self.audio_graphs.launch(slots, inputs, shape)
+
+
+class DecodedAudio:
+    """Decoded pieces on their way to the host (:meth:`ModelRunner.launch_decode`)."""
+
+    def __init__(self, audio: HostCopy, offsets: np.ndarray) -> None:
+        self._audio = audio
+        self._offsets = offsets
+
+    def wait(self) -> list[np.ndarray]:
+        flat = self._audio.wait().numpy()
+        return [flat[self._offsets[i]:self._offsets[i + 1]] for i in range(len(self._offsets) - 1)]
 
 
 def create_runner(model: LoadedModel, options: EngineOptions, penalty_width: int) -> ModelRunner:

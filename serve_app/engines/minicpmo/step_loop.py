@@ -5,8 +5,14 @@
 2. run: chat streams decode text (3 tokens per piece); each stream's
    :class:`~.speech_schedule.SpeechSchedule` turns its pieces into work; batched TTS text
    prefills, then one batched window of audio steps for every generating stream;
-3. emit: batched DVAE + Vocos decode of the generate calls that ended; audio that can no longer
-   change goes to its caller at once.
+3. emit: batched DVAE + Vocos decode of the generate calls that ended is queued on the device;
+   the next step hands its audio out (what can no longer change goes to its caller at once)
+   while the device runs that step's audio window.
+
+The device's work is queued, not waited for, wherever the host has other work: the host
+prepares step k+1 while the device decodes step k's audio, and joins and sends step k's audio
+while the device runs step k+1's window (copies between them never make the host wait:
+transfer.py). The host waits only for the tokens and frames it must read to go on.
 """
 
 from __future__ import annotations
@@ -30,14 +36,24 @@ from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .loader import LoadedModel
 from .options import EngineOptions
 from .output import StreamingAudioJoiner, emit, join_decoded, send
-from .runner import ModelRunner, pass_fits
+from .runner import DecodedAudio, ModelRunner, pass_fits
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
+from .transfer import HostCopy
 from .voices import VoiceTable, prefix_length
 
 logger = logging.getLogger(__name__)
 
 STEP_LOG_LENGTH = 100_000  # steps kept in the step log (a few minutes of a busy engine)
+
+
+@dataclass(slots=True)
+class PendingDecode:
+    """A step's decode, queued on the device; the next step hands its audio out."""
+
+    jobs: list[tuple[Stream, DecodeJob]]  # every decode job of the step, empty ones included
+    decoded: list[tuple[Stream, DecodeJob]]  # the jobs with frames, in ``audio``'s order
+    audio: DecodedAudio | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +118,7 @@ class StepLoop:
         self._gc_clock = GarbageCollectionClock()
         self._step_generating = 0
         self._outbox = Outbox()  # this step's chunks and errors, delivered when it ends
+        self._pending_decode: PendingDecode | None = None
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
@@ -137,6 +154,7 @@ class StepLoop:
                     self._step()
             except Exception as error:  # one bad step must not kill the loop; fail its streams
                 logger.exception("engine step failed")
+                self._pending_decode = None
                 for stream in self.scheduler.running():
                     self._fail(stream, EngineError(f"engine step failed: {type(error).__name__}"))
             # logged before the step's batched deliveries (the engine process's wire); a
@@ -185,14 +203,15 @@ class StepLoop:
         t = self._phase("tts_prefill", t)
         generating = [s for s in self.scheduler.running()
                       if s.schedule is not None and s.schedule.phase is Phase.GENERATING]
-        decode_jobs, follow_up = self._audio_steps(generating) if generating else ([], [])
+        window = self._launch_audio_window(generating) if generating else None
+        t = self._phase("tts_step", t)
+        self._emit_decoded()  # the last step's audio, while the device runs this window
+        t = self._phase("decode_emit", t)
+        decode_jobs, follow_up = self._take_frames(generating, window) if generating else ([], [])
         t = self._phase("tts_step", t)
         self._run_tts_prefills(follow_up)
         t = self._phase("tts_prefill", t)
-        self._decode(decode_jobs)
-        for stream in self.scheduler.running():
-            if stream.schedule is not None and stream.schedule.phase is Phase.DONE:
-                self._complete(stream)
+        self._launch_decode(decode_jobs)
         t = self._phase("decode_emit", t)
         if launched is not None:
             self._collect_chat_text(*launched)
@@ -381,15 +400,19 @@ class StepLoop:
         if texts:
             self.runner.text_prefill(texts)
 
-    def _audio_steps(self, streams: list[Stream]) -> tuple[list, list]:
-        """One window of up to ``steps_per_sync`` audio frames per stream, then each schedule
-        replays its stream's frames in order (its call ends exactly where the device stopped).
-        Returns the decode jobs and the follow-up work (prefills of carried segments)."""
+    def _launch_audio_window(self, streams: list[Stream]) -> HostCopy:
+        """Queue one window of up to ``steps_per_sync`` audio frames per stream."""
         inputs = AudioStepInputs.from_steps(
             [s.schedule.next_step() for s in streams], [s.plan.request.seed or 0 for s in streams],
             [s.tts_steps for s in streams], self.options.tts_sampling == "greedy",
             self.model.config.tts.num_vq)
-        window = self.runner.audio_window([s.slot for s in streams], inputs)
+        return self.runner.launch_audio_window([s.slot for s in streams], inputs)
+
+    def _take_frames(self, streams: list[Stream], launched: HostCopy) -> tuple[list, list]:
+        """The window's frames (waits for them); each schedule replays its stream's frames in
+        order (its call ends exactly where the device stopped). Returns the decode jobs and the
+        follow-up work (prefills of carried segments)."""
+        window = launched.wait()
         made = window[:, :, -1].sum(dim=0).tolist()
         codes = window[:, :, :-1].permute(1, 0, 2).tolist()  # [B][steps][vq]
         decode_jobs: list[tuple[Stream, DecodeJob]] = []
@@ -403,10 +426,27 @@ class StepLoop:
 
     # ---- emit and release ----------------------------------------------------------------
 
-    def _decode(self, jobs: list[tuple[Stream, DecodeJob]]) -> None:
-        real = [(s, j) for s, j in jobs if j.frames and not s.done]
-        audio = self.runner.decode([j.frames for _, j in real]) if real else []
-        join_decoded(self._outbox, [(s, j, a) for (s, j), a in zip(real, audio)], jobs)
+    def _launch_decode(self, jobs: list[tuple[Stream, DecodeJob]]) -> None:
+        """Queue the decode of this step's jobs; the next step emits their audio
+        (:meth:`_emit_decoded`), and completes the streams they finished."""
+        decoded = [(s, j) for s, j in jobs if j.frames and not s.done]
+        audio = self.runner.launch_decode([j.frames for _, j in decoded]) if decoded else None
+        self._pending_decode = PendingDecode(jobs, decoded, audio)
+
+    def _emit_decoded(self) -> None:
+        """Join the last step's decoded audio into its streams and send what is final; complete
+        the streams it finished; deliver it all now. A stream that ended since (aborted, failed)
+        gets nothing."""
+        pending, self._pending_decode = self._pending_decode, None
+        if pending is None:
+            return
+        audio = pending.audio.wait() if pending.audio is not None else []
+        join_decoded(self._outbox, [(s, j, a) for (s, j), a in zip(pending.decoded, audio)
+                                    if not s.done], pending.jobs)
+        for stream in {id(s): s for s, _ in pending.jobs}.values():
+            if not stream.done and stream.schedule.phase is Phase.DONE:
+                self._complete(stream)
+        self._outbox.deliver()
 
     def _release_voice(self, stream: Stream) -> None:
         """The stream no longer holds its voice (the table may drop it again)."""
