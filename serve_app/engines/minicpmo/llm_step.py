@@ -179,22 +179,27 @@ class LLMStepGraphs:
         return out[index].cpu()
 
     def launch(self, slots: list[int], x: LLMStepInputs, stream: torch.cuda.Stream,
-               shape: tuple[int, int] | None = None) -> "LaunchedStep":
-        """Like :meth:`run` without waiting: the inputs are written on the current stream, the
-        graph replays on ``stream`` once they are, and its tokens land in a pinned buffer kept
-        for this (one launch in flight at a time; :meth:`collect` before the next)."""
-        shape, index, path = self._place(slots, x, shape)
+               shape: tuple[int, int] | None = None,
+               after: torch.cuda.Event | None = None) -> "LaunchedStep":
+        """Like :meth:`run` without waiting: on ``stream``, once the current stream's work
+        queued so far has run (or, with ``after``, the current stream's work up to that
+        event: what was queued since, an audio window, runs beside the step), the inputs are
+        written and the graph replays; its tokens land in a pinned buffer kept for this (one
+        launch in flight at a time; :meth:`collect` before the next)."""
         if self._pinned is None:
             self._pinned = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
-        stream.wait_stream(torch.cuda.current_stream(self.rows.device))
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.rows.device))
+        else:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
+            shape, index, path = self._place(slots, x, shape)
             graph, out = self.graphs[(*shape, path)]
             graph.replay()
             host = self._pinned[:len(slots)]
             host.copy_(out[index], non_blocking=True)  # the gather is made and freed on ``stream``
             done = torch.cuda.Event()
             done.record(stream)
-        index.record_stream(stream)  # made on the current stream, read on ``stream``
         return LaunchedStep(shape, index, path, host, done)
 
     def collect(self, launched: "LaunchedStep") -> torch.Tensor:

@@ -37,11 +37,12 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
-    # chat: while audio is generated and no stream waits for text, launch the LLM step before
-    # the audio window and take its tokens after it (on CUDA on a stream of its own, so the
-    # two overlap; its graphs are captured on a stream of their own, graphs.py): 10-18% off a
-    # chat step at 64 streams on an H100; off by default until it has run longer
-    # (docs/benchmarks/README.md, "The overlapped chat LLM step")
+    # chat: while audio is generated, launch the LLM step before the audio window and take its
+    # tokens after it (on CUDA on a stream of its own, so the two overlap; its graphs are
+    # captured on a stream of their own, graphs.py); while a stream waits for text, its further
+    # steps run beside the window too, not in line before it: on an H100 chat 128 TTFB p99 367
+    # against 482 ms in line, chat 160 real-time (docs/benchmarks/README.md, "Latest"); off by
+    # default until it has run longer
     overlap_llm_step: bool = False
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps

@@ -219,8 +219,10 @@ class ModelRunner:
                                  device_tensor(slots, self.device), False).cpu()
         return tokens.tolist()
 
-    def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
-        """Start :meth:`llm_step` so that work queued after it may overlap it; :meth:`llm_collect`
+    def llm_launch(self, slots: list[int], inputs: LLMStepInputs,
+                   beside_window: bool = False) -> object:
+        """Start :meth:`llm_step` so that work queued after it may overlap it (with
+        ``beside_window``, also the audio window queued last, before it); :meth:`llm_collect`
         gives its tokens. Eager, the step runs at once."""
         self.work.update(llm_launches=1)
         return self.llm_step(slots, inputs)
@@ -340,6 +342,7 @@ class GraphModelRunner(ModelRunner):
     def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
         super().__init__(model, options, penalty_width)
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
+        self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
                                             whole_span_only=self.reads_visible_blocks)
         self.text_prefill_graphs = {
@@ -387,15 +390,17 @@ class GraphModelRunner(ModelRunner):
         self._count_llm_step(*shape)
         return self.llm_graphs.run(slots, inputs, shape).tolist()
 
-    def llm_launch(self, slots: list[int], inputs: LLMStepInputs) -> object:
+    def llm_launch(self, slots: list[int], inputs: LLMStepInputs,
+                   beside_window: bool = False) -> object:
         """The LLM step's graph on a CUDA stream of its own: the audio window queued after it
-        on the current stream runs beside it."""
+        on the current stream (or, ``beside_window``, queued last, before it) runs beside it."""
         shape = self.llm_graphs.shape(slots, inputs)
         self._count_llm_step(*shape)
         self.work.update(llm_launches=1)
         if self._llm_stream is None:
             self._llm_stream = torch.cuda.Stream(self.device)
-        return self.llm_graphs.launch(slots, inputs, self._llm_stream, shape)
+        after = self._window_queued if beside_window else None
+        return self.llm_graphs.launch(slots, inputs, self._llm_stream, shape, after)
 
     def llm_collect(self, launched: object) -> list[int]:
         return self.llm_graphs.collect(launched).tolist()  # type: ignore[arg-type]
@@ -408,6 +413,9 @@ class GraphModelRunner(ModelRunner):
     def launch_audio_window(self, slots: list[int], inputs: AudioStepInputs) -> HostCopy:
         shape = self.audio_graphs.shape(slots, inputs)
         self._count_audio_window(*shape, inputs)
+        # what an LLM step launched beside this window waits for: the work queued before it
+        self._window_queued = torch.cuda.Event()
+        self._window_queued.record()
         return self.audio_graphs.launch(slots, inputs, shape)
 
 

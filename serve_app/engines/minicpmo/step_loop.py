@@ -207,6 +207,10 @@ class StepLoop:
         t = self._phase("tts_step", t)
         self._emit_decoded()  # the last step's audio, while the device runs this window
         t = self._phase("decode_emit", t)
+        if launched is not None and self._waiting_for_text(launched[0]):
+            self._chat_text_beside_window(*launched)
+            launched = None
+            t = self._phase("llm_decode", t)
         decode_jobs, follow_up = self._take_frames(generating, window) if generating else ([], [])
         t = self._phase("tts_step", t)
         self._run_tts_prefills(follow_up)
@@ -310,14 +314,14 @@ class StepLoop:
                 and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
 
     def _launch_chat_text(self) -> tuple[list[Stream], object] | None:
-        """With ``overlap_llm_step``: one LLM step launched now and collected after the audio
-        window (:meth:`_collect_chat_text`), when audio is generated this step and no chat
-        stream's speech is waiting for text (those want several steps at once: the plain path)."""
+        """With ``overlap_llm_step``, when audio is generated this step: one LLM step launched
+        now, beside the audio window, and collected after it (:meth:`_collect_chat_text`), or,
+        while a chat stream's speech waits for text, right after the window is queued, with
+        more steps beside the window (:meth:`_chat_text_beside_window`)."""
         if not self.options.overlap_llm_step:
             return None
         streams = self._chat_text_rows()
-        if not streams or any(not s.pieces and s.schedule.phase is Phase.WAITING_TEXT
-                              for s in streams):
+        if not streams:
             return None
         if not any(s.schedule is not None and s.schedule.phase is Phase.GENERATING
                    for s in self.scheduler.running()):
@@ -327,6 +331,25 @@ class StepLoop:
 
     def _collect_chat_text(self, streams: list[Stream], launched: object) -> None:
         self._take_tokens(streams, self.runner.llm_collect(launched))
+
+    @staticmethod
+    def _waiting_for_text(streams: list[Stream]) -> bool:
+        """Some stream's speech waits for its next piece of text."""
+        return any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
+                   for s in streams)
+
+    def _chat_text_beside_window(self, streams: list[Stream], launched: object) -> None:
+        """The launched LLM step's tokens, then, while a stream's speech waits for text, more
+        steps (up to ``steps_per_sync`` in all), each launched beside the audio window queued
+        last: the running streams' audio is not held up by text that only the waiting streams
+        need now (their pieces are read next step)."""
+        self._collect_chat_text(streams, launched)
+        for _ in range(self.options.steps_per_sync - 1):
+            streams = self._chat_text_rows()
+            if not streams or not self._waiting_for_text(streams):
+                return
+            self._collect_chat_text(streams, self.runner.llm_launch(
+                [s.llm_slot for s in streams], self.chat.inputs(streams), beside_window=True))
 
     def _take_tokens(self, streams: list[Stream], tokens: list[int]) -> None:
         """One LLM step's tokens into its streams (one whose LLM slot was freed since, when the
@@ -346,8 +369,7 @@ class StepLoop:
                 return
             self._take_tokens(streams, self.runner.llm_step([s.llm_slot for s in streams],
                                                             self.chat.inputs(streams)))
-            if not any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
-                       for s in streams):
+            if not self._waiting_for_text(streams):
                 return
 
     def _accept_token(self, stream: Stream, token: int) -> None:

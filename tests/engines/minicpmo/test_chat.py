@@ -85,7 +85,9 @@ def test_chat_answer_is_the_greedy_continuation_alone_and_batched(engine):
 def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
     """``overlap_llm_step``: the LLM step launched before the audio window and its tokens taken
     after it gives every chat stream the answer the in-line step gives (greedy, long enough
-    answers that the LLM runs ahead of the speech, which is when the step is launched)."""
+    answers that the LLM runs ahead of the speech, which is when the step is launched). The
+    second stream arrives while the first speaks: its first text comes from several LLM steps
+    launched one after another beside the audio window, in one engine step."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     requests = [SpeechRequest(request_id=f"long-{i}", text=text, mode="chat",
                               sampling=SamplingParams(temperature=0.0, repetition_penalty=1.0),
@@ -99,15 +101,23 @@ def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
         engine = MiniCPMOEngine(model, options)
         try:
             async def run() -> list[str]:
-                return await asyncio.gather(*(spoken_text(s) for s in engine.submit(requests)))
+                first = engine.submit(requests[:1])[0]
+                chunks = aiter(first)
+                head = await anext(chunks)  # the first stream speaks: the second arrives now
+                second = engine.submit(requests[1:])[0]
+                rest = [chunk async for chunk in chunks]
+                return ["".join(c.text for c in [head, *rest]), await spoken_text(second)]
 
-            return asyncio.run(run()), engine.device_work().get("llm_launches", 0)
+            spoken = asyncio.run(run())
+            most = max((dict(r.work).get("llm_launches", 0) for r in engine.step_log()), default=0)
+            return spoken, engine.device_work().get("llm_launches", 0), most
         finally:
             engine.close()
 
-    in_line, no_launches = answers(False)
-    overlapped, launches = answers(True)
+    in_line, no_launches, _ = answers(False)
+    overlapped, launches, most_in_a_step = answers(True)
     assert no_launches == 0 and launches > 0
+    assert most_in_a_step >= 2  # a waiting stream's LLM steps ran beside one window
     assert overlapped == in_line and all(in_line)
 
 
