@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "and spread every level's requests over them; level 1 also runs "
                              "in the default voice, for single-stream TTFB side by side")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1,
+                        help="CPUs of the Ray cluster the service starts on (this machine's): "
+                             "the AudioEncoder replicas are sized to fit them")
     parser.add_argument("--reuse", action="store_true", help="measure the service already up")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up")
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-serve.log")
@@ -133,7 +136,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         env_vars.update(dict(pair.split("=", 1) for pair in args.env))
     levels = levels_by_mode(args)
     size_for_streams(config, max((level for mode in args.modes for level in levels.get(mode, [])),
-                                 default=1))
+                                 default=1), args.cpus)
     overrides = _options(args.deployment_option)
     for deployment in app.get("deployments", []):
         if deployment["name"] == "Synthesizer":
@@ -151,13 +154,17 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
 STREAM_HEADROOM = 1.5
 
 
-def size_for_streams(config: dict[str, Any], streams: int) -> None:
+def size_for_streams(config: dict[str, Any], streams: int, cpus: int) -> None:
     """Raise the config's stream caps, where they are lower, to what ``streams`` concurrent
     streams on the one Synthesizer replica need, as a user serving that many would: the
     ingress's stream cap (``api.max_streams``) and ongoing requests, the Synthesizer's ongoing
     requests (its engine's slots) and queue, and enough AudioEncoder replicas from the start
     (each takes ``max_ongoing_requests`` streams; scaling out takes ``upscale_delay_s``, and the
-    queue in front of two replicas held 256 streams: at 384 the ingress answered 503)."""
+    queue in front of two replicas held 256 streams: at 384 the ingress answered 503).
+
+    The encoder replicas must fit the machine's ``cpus`` beside one replica of every other
+    deployment: where they would not, fewer replicas take more streams each (at 576 streams
+    14 replicas of 64 left no CPU for the Ingress, which Ray never placed)."""
     [app] = config["applications"]
     peak = int(streams * STREAM_HEADROOM)
     api = app["args"].setdefault("api", {})
@@ -176,9 +183,18 @@ def size_for_streams(config: dict[str, Any], streams: int) -> None:
         elif name == "AudioEncoder" and "autoscaling_config" in deployment:
             scaling = deployment["autoscaling_config"]
             per_replica = deployment.get("max_ongoing_requests", 64)
-            needed = -(-peak // per_replica)
+            others = sum(replica_cpus(d) for d in app.get("deployments", []) if d is not deployment)
+            room = max(1, int((cpus - others) // replica_cpus(deployment)))
+            needed = min(-(-peak // per_replica), room)
             scaling["min_replicas"] = max(scaling.get("min_replicas", 1), needed)
-            scaling["max_replicas"] = max(scaling.get("max_replicas", 1), scaling["min_replicas"])
+            scaling["max_replicas"] = min(max(scaling.get("max_replicas", 1), scaling["min_replicas"]),
+                                          max(room, scaling["min_replicas"]))
+            deployment["max_ongoing_requests"] = max(per_replica, -(-peak // scaling["min_replicas"]))
+
+
+def replica_cpus(deployment: dict[str, Any]) -> float:
+    """CPUs one replica of ``deployment`` reserves (Ray's default: 1)."""
+    return float(deployment.get("ray_actor_options", {}).get("num_cpus", 1))
 
 
 def arrivals_s(level: int, arrival: str, audio_seconds: float) -> list[float]:

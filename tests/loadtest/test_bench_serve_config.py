@@ -44,3 +44,24 @@ def test_caps_the_levels_fit_are_left_as_configured() -> None:
             == before["AudioEncoder"]["autoscaling_config"]["min_replicas"])
     # the bench engine's 256 slots: the Synthesizer takes that many streams
     assert after["Synthesizer"]["max_ongoing_requests"] == 256
+
+
+def test_encoder_replicas_fit_the_machines_cpus() -> None:
+    """576 streams on a 16-CPU machine: 14 encoder replicas of 64 streams would leave the
+    Ingress no CPU beside the Synthesizer's two (Ray never placed it and the service never
+    came up); fewer replicas take more streams each, and every replica fits."""
+    config = bench_config(parse_args(["--modes", "read", "--read-levels", "1", "576",
+                                      "--engine-option", "max_slots=576", "--cpus", "16"]))
+    by_name = deployments(config)
+    peak = int(576 * STREAM_HEADROOM)
+    encoder = by_name["AudioEncoder"]
+    replicas = encoder["autoscaling_config"]["min_replicas"]
+    assert replicas * encoder["max_ongoing_requests"] >= peak
+    reserved = sum(d.get("ray_actor_options", {}).get("num_cpus", 1)
+                   for name, d in by_name.items() if name != "AudioEncoder")
+    assert reserved + replicas * encoder["ray_actor_options"]["num_cpus"] <= 16
+    assert encoder["autoscaling_config"]["max_replicas"] <= 16 - reserved
+    # on a machine with room, the replicas keep their production size
+    roomy = deployments(bench_config(parse_args(["--modes", "read", "--read-levels", "576",
+                                                 "--cpus", "64"])))["AudioEncoder"]
+    assert roomy["max_ongoing_requests"] == 64
