@@ -187,8 +187,8 @@ def size_for_streams(config: dict[str, Any], streams: int, cpus: int) -> None:
             room = max(1, int((cpus - others) // replica_cpus(deployment)))
             needed = min(-(-peak // per_replica), room)
             scaling["min_replicas"] = max(scaling.get("min_replicas", 1), needed)
-            scaling["max_replicas"] = min(max(scaling.get("max_replicas", 1), scaling["min_replicas"]),
-                                          max(room, scaling["min_replicas"]))
+            scaling["max_replicas"] = max(min(scaling.get("max_replicas", 1), room),
+                                          scaling["min_replicas"])
             deployment["max_ongoing_requests"] = max(per_replica, -(-peak // scaling["min_replicas"]))
 
 

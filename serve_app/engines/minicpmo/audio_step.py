@@ -18,7 +18,7 @@ from .graphs import bucket_sizes, capture_per_bucket, shortest_span
 from .layers import SlotKVCache, StepInputs, causal_attend
 from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
-from .transfer import HostCopy, StagingFence, to_device
+from .transfer import HostCopy, to_device
 
 if TYPE_CHECKING:
     from .speech_schedule import AudioStep
@@ -213,8 +213,6 @@ class AudioStepGraphs:
         self.num_vq = tts.config.num_vq
         columns = packed_columns(self.num_vq)
         self.packed = torch.zeros(slots, columns, device=device, dtype=torch.long)
-        self.host = torch.zeros(slots, columns, dtype=torch.long).pin_memory()
-        self._staging = StagingFence()  # ``host`` is rewritten only once its last copy has run
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
         # Attention that skips the key blocks each row cannot see (flex) needs no shorter spans:
@@ -244,11 +242,9 @@ class AudioStepGraphs:
         ``shape``: :meth:`shape`'s answer, when the caller has it."""
         bucket, span = shape or self.shape(slots, x)
         index = torch.tensor(slots)
-        self._staging.wait()  # the last window's inputs have left the staging buffer
-        self.host[:bucket].zero_()
-        self.host[index] = x.pack()
-        self.packed[:bucket].copy_(self.host[:bucket], non_blocking=True)
-        self._staging.record()
+        rows = torch.zeros(bucket, self.packed.shape[1], dtype=torch.long)
+        rows[index] = x.pack()
+        self.packed[:bucket] = to_device(rows, self.packed.device)
         graph, out = self.graphs[(bucket, span)]
         graph.replay()
         return HostCopy(out[:, to_device(index, out.device)])

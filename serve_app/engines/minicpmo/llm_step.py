@@ -16,7 +16,7 @@ import torch
 
 from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream, shortest_span
 from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
-from .transfer import device_tensor, to_device
+from .transfer import HostCopy, device_tensor, to_device
 from .modeling import QwenLM
 from .voices import VoicePrefix
 from .sampling import (
@@ -128,7 +128,6 @@ class LLMStepGraphs:
                      for path in ("full", "candidates")
                      if path == "full" or b >= CANDIDATE_MIN_ROWS]
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pinned: torch.Tensor | None = None  # tokens of a launched step (see launch)
 
     def _forward(self, index: int) -> torch.Tensor:
         bucket, span, path = self.keys[index]
@@ -184,10 +183,8 @@ class LLMStepGraphs:
         """Like :meth:`run` without waiting: on ``stream``, once the current stream's work
         queued so far has run (or, with ``after``, the current stream's work up to that
         event: what was queued since, an audio window, runs beside the step), the inputs are
-        written and the graph replays; its tokens land in a pinned buffer kept for this (one
-        launch in flight at a time; :meth:`collect` before the next)."""
-        if self._pinned is None:
-            self._pinned = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
+        written and the graph replays, and its tokens are copied to the host (one launch in
+        flight at a time; :meth:`collect` before the next)."""
         if after is None:
             stream.wait_stream(torch.cuda.current_stream(self.rows.device))
         else:
@@ -196,17 +193,13 @@ class LLMStepGraphs:
             shape, index, path = self._place(slots, x, shape)
             graph, out = self.graphs[(*shape, path)]
             graph.replay()
-            host = self._pinned[:len(slots)]
-            host.copy_(out[index], non_blocking=True)  # the gather is made and freed on ``stream``
-            done = torch.cuda.Event()
-            done.record(stream)
-        return LaunchedStep(shape, index, path, host, done)
+            tokens = HostCopy(out[index])  # the gather is made and freed on ``stream``
+        return LaunchedStep(shape, index, path, tokens)
 
     def collect(self, launched: "LaunchedStep") -> torch.Tensor:
         """The launched step's tokens (waits for them); a candidates step with a row that could
         not be exact is recomputed over the full vocabulary, as :meth:`run` does."""
-        launched.done.synchronize()
-        tokens = launched.host.clone()
+        tokens = launched.tokens.wait()
         if launched.path == "candidates" and not bool((tokens >= 0).all()):
             return self._replay_full(launched.shape, launched.index)
         return tokens
@@ -219,8 +212,7 @@ class LaunchedStep:
     shape: tuple[int, int]  # batch bucket and key span
     index: torch.Tensor
     path: str
-    host: torch.Tensor
-    done: torch.cuda.Event
+    tokens: HostCopy
 
 
 def llm_prefill(llm: QwenLM, cache: SlotKVCache, ids: torch.Tensor, valid: torch.Tensor,

@@ -465,7 +465,7 @@ class StepLoop:
         audio = pending.audio.wait() if pending.audio is not None else []
         join_decoded(self._outbox, [(s, j, a) for (s, j), a in zip(pending.decoded, audio)
                                     if not s.done], pending.jobs)
-        for stream in {id(s): s for s, _ in pending.jobs}.values():
+        for stream, _ in pending.jobs:
             if not stream.done and stream.schedule.phase is Phase.DONE:
                 self._complete(stream)
         self._outbox.deliver()

@@ -33,8 +33,9 @@ def device_tensor(values: Sequence, device: torch.device,
 
 
 class HostCopy:
-    """A device tensor on its way to host memory: the copy is queued after the work that makes
-    the tensor, and :meth:`wait` returns the CPU tensor once it has landed."""
+    """A device tensor on its way to host memory: the copy is queued on the current stream,
+    after the work that makes the tensor, and :meth:`wait` returns the CPU tensor (its own
+    buffer) once it has landed."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._done: torch.cuda.Event | None = None
@@ -51,18 +52,3 @@ class HostCopy:
             self._done.synchronize()
         return self._host
 
-
-class StagingFence:
-    """Guards a pinned staging buffer that non-blocking copies read (CUDA only): :meth:`wait`
-    before rewriting it, :meth:`record` after queueing the copies that read it."""
-
-    def __init__(self) -> None:
-        self._read: torch.cuda.Event | None = None
-
-    def record(self) -> None:
-        self._read = torch.cuda.Event()
-        self._read.record()
-
-    def wait(self) -> None:
-        if self._read is not None:
-            self._read.synchronize()
