@@ -12,7 +12,11 @@ one valid file of the asked format.
   bytes appended since the last call are returned. Codecs buffer whole frames/pages, so a call may
   return nothing; :meth:`StreamEncoder.finish` flushes them. FLAC's STREAMINFO says "length
   unknown" and MP3 is constant bitrate with no Xing/Info length tag (both are fixed at close,
-  after those bytes have left), so decoders read to the end of the stream.
+  after those bytes have left), so decoders read to the end of the stream. FFmpeg, libFLAC and
+  browsers read such a FLAC; libsndfile takes the unknown length for ``SF_COUNT_MAX`` frames, so
+  ``soundfile.read``/``soundfile.blocks`` cannot (:func:`serve_app.audio.decoding.read_stream`
+  can). Only a header sent after the last sample could fix that, which streaming rules out
+  (tests/audio/test_readers.py).
 - Opus only runs at 8, 12, 16, 24 or 48 kHz: other rates are rejected (see
   :func:`check_format_rate`) rather than silently changed.
 """
