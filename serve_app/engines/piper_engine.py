@@ -17,8 +17,9 @@ Streaming and batching:
   ``add_alignment_output`` exposes (needs ``onnx``; else batch 1); a padded row matches the piece
   run alone within about 1e-4.
 - ``seed``: both noise scales 0 (ONNX Runtime's noise takes no seed), so exactly deterministic.
-- Streamed text input (``text_input="streamed"``): the text fed so far is spoken clause by
-  clause as clauses complete (see :func:`~.streamed_text.complete_clauses`).
+- Streamed text input (``text_input="streamed"``): the text fed so far is spoken piece by
+  piece as pieces complete, by the rule both engines share (:mod:`~.streamed_text`: at sentence
+  and clause marks, commas included, and within 100 characters without one).
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
   own ``PiperVoice.synthesize``; resampling is the encoder's job.
 - Text: the shared rule (``serve_app.text_rule``) first; then ``validate`` phonemizes the text

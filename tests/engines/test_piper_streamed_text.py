@@ -12,7 +12,7 @@ from piper.config import SynthesisConfig
 from serve_app.engines.base import InvalidRequestError, RequestAbortedError, SpeechRequest
 from serve_app.engines.piper_engine import PiperEngine
 from serve_app.engines.registry import create_engine
-from serve_app.engines.streamed_text import complete_clauses
+from serve_app.engines.streamed_text import MAX_CLAUSE_CHARS, complete_clauses
 from tests.engines.streams import (
     FEED_ERROR_CODES,
     feed_error_codes,
@@ -20,6 +20,13 @@ from tests.engines.streams import (
 )
 
 pytestmark = pytest.mark.timeout(600)  # guards against a hang only; nothing here is timed
+
+# 136 characters with commas only: no sentence end, and the input stays open
+COMMAS_ONLY = ("Well, if you want the short version, we drove north, then east, then north again, "
+               "past the lake, the old mill, and the long stone bridge")
+# A stream that waits for more text gets none within this (the WebSocket's idle timeout is 20 s):
+# without a cut at commas or at the length cap, the test fails here instead of hanging.
+FIRST_AUDIO_WITHIN_S = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +108,26 @@ def test_abort_of_a_streamed_request_frees_its_slot(engine: PiperEngine) -> None
 
     first, active = asyncio.run(run())
     assert len(first.samples) > 0 and active == 0
+
+
+async def first_audio_while_input_is_open(engine: PiperEngine, request_id: str, text: str):
+    (stream,) = engine.submit([streamed(request_id, seed=1)])
+    engine.feed_text(request_id, text)  # never done
+    try:
+        return await asyncio.wait_for(anext(stream), FIRST_AUDIO_WITHIN_S)
+    finally:
+        engine.abort(request_id)
+
+
+def test_text_with_commas_only_is_spoken_before_the_input_ends(engine: PiperEngine) -> None:
+    assert len(COMMAS_ONLY) == 136
+    first = asyncio.run(first_audio_while_input_is_open(engine, "commas", COMMAS_ONLY))
+    assert not first.final
+    np.testing.assert_allclose(first.samples, noise_free(engine, "Well,"), atol=1e-4)
+
+
+def test_a_long_run_without_any_break_is_spoken_before_the_input_ends(engine: PiperEngine) -> None:
+    run = " ".join(["and then we walked a little further along the old road"] * 3)
+    assert len(run) > MAX_CLAUSE_CHARS and not complete_clauses(run[:MAX_CLAUSE_CHARS], False)[0]
+    first = asyncio.run(first_audio_while_input_is_open(engine, "no-break", run))
+    assert not first.final and len(first.samples) > 0

@@ -37,6 +37,9 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay the TTS audio step and the decode as CUDA graphs
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
+    # streamed text: after this long without new text, speech that waits for more speaks the
+    # text up to its last break (streamed_text.py) instead; a shorter wait cuts more often
+    text_break_wait_s: float = 0.1
     # chat: while audio is generated, launch the LLM step before the audio window and take its
     # tokens after it (on CUDA on a stream of its own, so the two overlap; its graphs are
     # captured on a stream of their own, graphs.py); while a stream waits for text, its further
@@ -88,6 +91,8 @@ class EngineOptions:
             raise ValueError("max_voices must be at least 1")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
             raise ValueError("gpu_memory_gb must be a positive number of gigabytes")
+        if not self.text_break_wait_s >= 0:
+            raise ValueError("text_break_wait_s must be 0 or more seconds")
 
     @classmethod
     def from_raw(cls, raw: dict[str, object]) -> "EngineOptions":

@@ -60,6 +60,8 @@ class Stream:
     llm_slot: int = -1
     pieces: collections.deque = field(default_factory=collections.deque)  # text the TTS has not read
     text_done: bool = False  # no piece will follow those in ``pieces``
+    text_at: float = 0.0  # streamed input: when text last came (time.monotonic())
+    break_checked: int = -1  # streamed input: the feed's version last looked at for a break
     # chat mode: the LLM's side
     llm_len: int = 0
     next_token: int | None = None

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from .codec import CONTEXT_FRAMES
 from .modeling import TTSConfig
-from .text import TTS_EOS_MARK, detect_language, sentence_end, spell_digits
+from .text import TTS_EOS_MARK, detect_language, has_speakable_text, sentence_end, spell_digits
 
 SEGMENT_TEXT_LIMIT_MARGIN = 180  # a new segment may start once L >= reserved - 180 (= 120)
 CARRY_TEXT_TOKENS = 5
@@ -104,6 +104,12 @@ class SpeechSchedule:
     frames_total: int = 0
     segment_started_fresh: bool = True
     text_since_emit: str = ""
+    # this segment's pieces as received and as added to ``gen_text`` (for :meth:`cut_at_break`)
+    piece_log: list[tuple[str, str]] = field(default_factory=list)
+    carry_chars: int = 0  # leading characters of ``gen_text`` carried from the last segment
+    cut_at_a_break: bool = False  # this segment ends at a break of streamed text
+    after_break: bool = False  # this segment follows such a cut
+    left_to_speak: bool = False  # ... and that cut left text before any new piece
     # trace of what was generated: per segment its frames, per call the segment length after it
     call_lengths: list[int] = field(default_factory=list)
     finished_segments: list[list[list[int]]] = field(default_factory=list)
@@ -138,16 +144,20 @@ class SpeechSchedule:
             self.first_piece_seen = True
             self.gen_text += piece
             self.gen_text_raw += piece
+            self.piece_log.append((piece, piece))
             self._retokenize()
             return []
         self.piece_in_segment += 1
         self.gen_text_raw += piece
-        if self.piece_in_segment == 1 and piece == "" and self.carried_segment:
+        if (self.piece_in_segment == 1 and piece == "" and self.carried_segment
+                and not self.after_break):
             self._finish()
             return []
         if self.piece_in_segment <= 2:
             self.language = detect_language(self.gen_text_raw)
-        self.gen_text += spell_digits(piece, self.language or "english").replace("*", "")
+        added = self._spoken_form(piece)
+        self.gen_text += added
+        self.piece_log.append((piece, added))
         self._retokenize()
         c = self.config
         if self.text_len >= c.streaming_text_reserved_len - SEGMENT_TEXT_LIMIT_MARGIN:
@@ -175,10 +185,67 @@ class SpeechSchedule:
     def end_of_text(self) -> list[object]:
         """The text source is exhausted: prefill what is left and generate to the end."""
         assert self.phase is Phase.WAITING_TEXT
-        if self.carried_segment and self.piece_in_segment == 0:
+        if self.carried_segment and self.piece_in_segment == 0 and not self.left_to_speak:
             self._finish()  # upstream: a carried segment that gets no new text ends the stream
             return []
+        if self.carried_segment and self.piece_in_segment == 0:
+            self._retokenize()  # the text a cut at a break left (only the carried ids so far)
         return self._start_tail()
+
+    def cut_at_break(self, piece: str, after: str) -> list[object] | None:
+        """Streamed text stopped coming (``TextFeed.break_point``): add ``piece``, cut this
+        segment's text before the last ``after`` characters of its pieces, and speak it to its
+        end now; the rest (``after``, then the text that follows) starts the next segment, as
+        after a long text's cut. Returns the work, or None, with nothing changed, when there is
+        nothing new to speak, ``after`` is not where this segment's pieces end, or the cut would
+        change text already prefilled."""
+        assert self.phase is Phase.WAITING_TEXT
+        gen_text, raw, left = self.gen_text, self.gen_text_raw, ""
+        if after:
+            index, tail = len(self.piece_log), ""
+            while len(tail) < len(after) and index > 0:
+                index -= 1
+                tail = self.piece_log[index][0] + tail
+            if not tail.endswith(after) or not raw.endswith(after):
+                return None
+            piece_raw, piece_added = self.piece_log[index]
+            split = len(tail) - len(after)  # within piece_raw: its part before the cut
+            if piece_added == piece_raw:
+                rest = piece_raw[split:]
+            else:
+                head = self._spoken_form(piece_raw[:split])
+                rest = self._spoken_form(piece_raw[split:])
+                if head + rest != piece_added:
+                    return None
+            left = rest + "".join(added for _, added in self.piece_log[index + 1:])
+            if not gen_text.endswith(left):
+                return None
+            gen_text, raw = gen_text[:len(gen_text) - len(left)], raw[:len(raw) - len(after)]
+        fresh = not self.first_piece_seen and not self.carried_segment
+        language = self.language
+        if piece and not fresh and self.piece_in_segment < 2:
+            language = detect_language(raw + piece)
+        gen_text += piece if fresh else self._spoken_form(piece, language)
+        if not has_speakable_text(gen_text[self.carry_chars:]):
+            return None
+        ids = self.tokenize(gen_text)[: self.config.streaming_text_reserved_len]
+        prefilled = self.chunk_index * self.config.streaming_text_chunk_size
+        if len(ids) < prefilled or ids[:prefilled] != self.text_ids[:prefilled]:
+            return None
+        if piece and not fresh:
+            self.piece_in_segment += 1
+        self.language = language
+        self.text_since_emit += piece
+        self.first_piece_seen = True
+        self.gen_text, self.gen_text_raw, self.text_ids = gen_text, raw + piece, ids
+        self.text_left = left
+        self.cut_at_a_break = True
+        self.pending_new_segment = True
+        return self._start_tail()
+
+    def _spoken_form(self, piece: str, language: str | None = None) -> str:
+        """A piece as it is added to ``gen_text`` after the first (digits spelled out)."""
+        return spell_digits(piece, language or self.language or "english").replace("*", "")
 
     def _prefill(self, begin: int, end: int) -> list[object]:
         if end <= begin:
@@ -276,6 +343,10 @@ class SpeechSchedule:
         carried_text = self.text_ids[-CARRY_TEXT_TOKENS:]
         carried_frames = self.segment_frames[-CARRY_FRAMES:]
         text = self.decode_tokens(carried_text)
+        self.after_break, self.cut_at_a_break = self.cut_at_a_break, False
+        self.left_to_speak = self.after_break and has_speakable_text(self.text_left)
+        self.carry_chars = len(text)
+        self.piece_log = []
         self.gen_text = text + self.text_left
         self.gen_text_raw = self.gen_text
         self.text_left = ""

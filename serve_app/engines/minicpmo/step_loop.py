@@ -304,6 +304,7 @@ class StepLoop:
         if not stream.plan.is_chat:
             stream.pieces.extend(stream.plan.pieces)
             stream.text_done = stream.plan.text_feed is None
+            stream.text_at = time.monotonic()
 
     # ---- run ---------------------------------------------------------------------------------
 
@@ -384,6 +385,8 @@ class StepLoop:
             if feed is None or stream.text_done or stream.schedule is None:
                 continue
             text, done = self.scheduler.take_fed_text(stream)
+            if text:
+                stream.text_at = time.monotonic()
             stream.pieces.extend(feed.push(text))
             if done:
                 stream.pieces.extend(feed.finish())
@@ -401,8 +404,27 @@ class StepLoop:
             elif stream.text_done:
                 items = schedule.end_of_text()
             else:
-                break
+                items = self._cut_stopped_text(stream)
+                if not items:
+                    break
             work.extend((stream, item) for item in items)
+        return work
+
+    def _cut_stopped_text(self, stream: Stream) -> list[object]:
+        """Streamed text that has stopped coming (nothing for ``text_break_wait_s``) while the
+        speech waits for more: speak it up to its last break now (``streamed_text``'s rule),
+        rather than when ten more TTS tokens or the end of the input arrive. Not for a stream
+        of fixed length, whose segments never end on their own."""
+        feed, schedule = stream.plan.text_feed, stream.schedule
+        if (feed is None or schedule.ignore_eos or stream.break_checked == feed.version
+                or time.monotonic() - stream.text_at < self.options.text_break_wait_s):
+            return []
+        stream.break_checked = feed.version  # looked at: again only once more text came
+        point = feed.break_point()
+        work = schedule.cut_at_break(*point) if point is not None else None
+        if work is None:
+            return []
+        feed.cut_at_break()
         return work
 
     def _run_tts_prefills(self, work: list[tuple[Stream, object]]) -> None:

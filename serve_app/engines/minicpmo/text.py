@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Callable, Sequence
 
+from ..streamed_text import clause_ends
+
 GENERATION_PROMPT = "<|im_end|>\n<|im_start|>assistant\n<|spk_bos|><|spk|><|spk_eos|><|tts_bos|>"
 READ_INSTRUCTION = "Please read the text below.\n"
 VOICE_INSTRUCTION = "Clone the voice in the provided audio prompt."  # upstream's voice-cloning turn
@@ -86,12 +88,12 @@ class PieceDecoder:
     def __init__(self, decode: Callable[[Sequence[int]], str], terminator_ids: Sequence[int]):
         self._decode = decode
         self._terminators = set(terminator_ids)
-        self._held: list[int] = []
+        self.held: list[int] = []
 
     def push(self, new_ids: Sequence[int]) -> str:
-        ids = self._held + list(new_ids)
+        ids = self.held + list(new_ids)
         end = complete_prefix_length(ids, self._decode) if ids else 0
-        self._held = ids[end:]
+        self.held = ids[end:]
         body = [i for i in ids[:end] if i != 0]
         if body and body[-1] in self._terminators:
             body = body[:-1]
@@ -99,7 +101,7 @@ class PieceDecoder:
 
     def flush(self) -> str:
         """Whatever is still held (an incomplete character at the very end)."""
-        held, self._held = self._held, []
+        held, self.held = self.held, []
         body = [i for i in held if i != 0 and i not in self._terminators]
         return self._decode(body) if body else ""
 
@@ -128,20 +130,28 @@ class TextFeed:
     byte-level BPE tokenizer never merges across that boundary, so the ids of the parts joined
     equal the ids of the whole. The trailing (possibly incomplete) word waits for more text or
     :meth:`finish`; ids wait until a whole piece of them is there.
+
+    When the text stops coming, :meth:`break_point` and :meth:`cut_at_break` let the engine
+    speak it up to its last break (``streamed_text.clause_ends``) without waiting for more.
     """
 
     def __init__(self, tokenize: Callable[[str], list[int]],
                  decode: Callable[[Sequence[int]], str], piece_tokens: int = PIECE_TOKENS) -> None:
         self._tokenize = tokenize
+        self._decode = decode
         self._decoder = PieceDecoder(decode, terminator_ids=())
         self._piece_tokens = piece_tokens
         self._text = ""  # received, not yet tokenized
         self._ids: list[int] = []  # tokenized, not yet in a piece
+        self._raw = ""  # received since the last cut at a break
+        self.version = 0  # counts the pushes that brought text
         self.speakable = False  # some text so far holds a letter or a digit
 
     def push(self, text: str) -> list[str]:
         """Add text; returns the pieces that are now complete."""
         self._text += text
+        self._raw += text
+        self.version += bool(text)
         self.speakable = self.speakable or has_speakable_text(text)
         cut = _last_word_boundary(self._text)
         if cut:
@@ -157,6 +167,34 @@ class TextFeed:
         pieces = self._pieces(len(self._ids))
         tail = self._decoder.flush()
         return pieces + [tail] if tail else pieces
+
+    def break_point(self) -> tuple[str, str] | None:
+        """Where the text received so far may be cut while more may still come: ``(held,
+        given)``, the text held here up to its last break (to give out now as one piece) and the
+        text already given out in pieces after that break (to move past the cut); None when
+        there is no break, or the held text cannot be told apart from the given."""
+        ends = clause_ends(self._raw)
+        if not ends:
+            return None
+        held = self._decode(self._decoder.held + self._ids) + self._text
+        if not self._raw.endswith(held):
+            return None
+        given = len(self._raw) - len(held)
+        if ends[-1] >= given:
+            return self._raw[given:ends[-1]], ""
+        return "", self._raw[ends[-1]:given]
+
+    def cut_at_break(self) -> None:
+        """The engine cut the text at :meth:`break_point`: what was held before the break has
+        gone out as a piece; what follows the break is held here, untokenized."""
+        point = self.break_point()
+        assert point is not None
+        cut = clause_ends(self._raw)[-1]
+        if point[0] or not point[1]:  # the break was in the held text
+            self._text = self._raw[cut:]
+            self._ids = []
+            self._decoder.held = []
+        self._raw = self._raw[cut:]
 
     def _pieces(self, count: int) -> list[str]:
         step = self._piece_tokens
