@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "stay fixed); e.g. the tests' tiny checkpoint for a CPU smoke run")
     parser.add_argument("--engine-results", type=Path, default=None,
                         help="bench_engine.py's JSON from this machine, shown beside the served")
+    parser.add_argument("--refine-step", type=int, default=32,
+                        help="between a mode's largest real-time level and the next level "
+                             "measured, try levels this many streams apart, upwards, until one "
+                             "fails (0: off)")
     parser.add_argument("--stop-after-ttfb-ms", type=float, default=1500.0,
                         help="skip a mode's larger levels once p99 TTFB passes this")
     parser.add_argument("--voices", type=int, default=0,
@@ -88,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1,
                         help="CPUs of the Ray cluster the service starts on (this machine's): "
-                             "the AudioEncoder replicas are sized to fit them")
+                             "the Ingress replicas are sized to fit them")
     parser.add_argument("--reuse", action="store_true", help="measure the service already up")
     parser.add_argument("--keep-running", action="store_true", help="leave the service up")
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-serve.log")
@@ -154,42 +158,47 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
 STREAM_HEADROOM = 1.5
 
 
+# Streams one Ingress replica fronts in a benchmark run: pcm (the benchmark's format) costs it a
+# fraction of a core per hundred streams; mp3 would need a replica per ~24.
+STREAMS_PER_INGRESS = 128
+
+
 def size_for_streams(config: dict[str, Any], streams: int, cpus: int) -> None:
     """Raise the config's stream caps, where they are lower, to what ``streams`` concurrent
     streams on the one Synthesizer replica need, as a user serving that many would: the
-    ingress's stream cap (``api.max_streams``) and ongoing requests, the Synthesizer's ongoing
-    requests (its engine's slots) and queue, and enough AudioEncoder replicas from the start
-    (each takes ``max_ongoing_requests`` streams; scaling out takes ``upscale_delay_s``, and the
-    queue in front of two replicas held 256 streams: at 384 the ingress answered 503).
+    Synthesizer's ongoing requests (its engine's slots, exactly) and queue, and enough Ingress replicas
+    from the start, fixed for the run (each fronts :data:`STREAMS_PER_INGRESS`; a replica
+    started by the autoscaler mid-level would measure its start, not the service), each with
+    a stream cap (``api.max_streams``) and ongoing requests for its share with headroom
+    (HAProxy's leastconn spreads connections evenly, not exactly).
 
-    The encoder replicas must fit the machine's ``cpus`` beside one replica of every other
-    deployment: where they would not, fewer replicas take more streams each (at 576 streams
-    14 replicas of 64 left no CPU for the Ingress, which Ray never placed)."""
+    The Ingress replicas must fit the machine's ``cpus`` beside the other deployments: where
+    they would not, fewer replicas take more streams each (at 576 streams 14 one-CPU replicas
+    left the engine no CPU on a 16-core machine, and Ray never placed the last ones)."""
     [app] = config["applications"]
     peak = int(streams * STREAM_HEADROOM)
     api = app["args"].setdefault("api", {})
-    api["max_streams"] = max(api.get("max_streams", 0), peak)
     slots = app["args"].get("engine_options", {}).get("max_slots", 0)
-    for deployment in app.get("deployments", []):
-        name = deployment["name"]
-        if name == "Ingress":
-            deployment["max_ongoing_requests"] = max(deployment.get("max_ongoing_requests", 0),
-                                                     api["max_streams"] + 64)
-        elif name == "Synthesizer":
-            deployment["max_ongoing_requests"] = max(deployment.get("max_ongoing_requests", 0),
-                                                     slots)
+    deployments = app.get("deployments", [])
+    for deployment in deployments:
+        if deployment["name"] == "Synthesizer":
+            if slots:  # = the engine's slots, as in the shipped config
+                deployment["max_ongoing_requests"] = slots
             deployment["max_queued_requests"] = max(deployment.get("max_queued_requests", 0),
                                                     peak)
-        elif name == "AudioEncoder" and "autoscaling_config" in deployment:
-            scaling = deployment["autoscaling_config"]
-            per_replica = deployment.get("max_ongoing_requests", 64)
-            others = sum(replica_cpus(d) for d in app.get("deployments", []) if d is not deployment)
-            room = max(1, int((cpus - others) // replica_cpus(deployment)))
-            needed = min(-(-peak // per_replica), room)
-            scaling["min_replicas"] = max(scaling.get("min_replicas", 1), needed)
-            scaling["max_replicas"] = max(min(scaling.get("max_replicas", 1), room),
-                                          scaling["min_replicas"])
-            deployment["max_ongoing_requests"] = max(per_replica, -(-peak // scaling["min_replicas"]))
+    for deployment in deployments:
+        if deployment["name"] != "Ingress":
+            continue
+        scaling = deployment.pop("autoscaling_config", None) or {}
+        others = sum(replica_cpus(d) for d in deployments if d is not deployment)
+        room = max(1, int((cpus - others) // replica_cpus(deployment)))
+        wanted = max(scaling.get("min_replicas", 1), deployment.get("num_replicas", 1),
+                     -(-peak // STREAMS_PER_INGRESS))
+        deployment["num_replicas"] = min(wanted, room)
+        share = -(-peak // deployment["num_replicas"])
+        api["max_streams"] = max(api.get("max_streams", 0), 2 * share)
+        deployment["max_ongoing_requests"] = max(deployment.get("max_ongoing_requests", 0),
+                                                 api["max_streams"] + 64)
 
 
 def replica_cpus(deployment: dict[str, Any]) -> float:
@@ -216,7 +225,8 @@ def arrivals_s(level: int, arrival: str, audio_seconds: float) -> list[float]:
 
 
 class CpuMeter:
-    """CPU seconds each deployment's replica processes (and Serve's proxy) used over a window."""
+    """CPU seconds each deployment's replica processes, their engine processes, Ray's HAProxy
+    and Serve's proxy used over a window."""
 
     def __init__(self) -> None:
         import psutil
@@ -233,9 +243,12 @@ class CpuMeter:
             for child in process.children():  # the Synthesizer's engine process
                 if "serve_app.engine_process" in " ".join(child.cmdline()):
                     found.setdefault(f"{name}Engine", []).append(child)
-        for process in self._psutil.process_iter(["cmdline"]):
-            if "ProxyActor" in " ".join(process.info["cmdline"] or []):
+        for process in self._psutil.process_iter(["name", "cmdline"]):
+            command = " ".join(process.info["cmdline"] or [])
+            if "ProxyActor" in command:
                 found.setdefault("ServeProxy", []).append(process)
+            elif process.info["name"] == "haproxy":
+                found.setdefault("HAProxy", []).append(process)
         return found
 
     def _sample(self) -> dict[int, tuple[str, float]]:
@@ -249,19 +262,23 @@ class CpuMeter:
                 sample[process.pid] = (name, times.user + times.system)
         return sample
 
-    def percent(self) -> dict[str, float]:
-        """Per deployment: CPU used as a percentage of one core, summed over its processes."""
+    def percent(self) -> dict[str, dict[str, float]]:
+        """Per deployment (or process kind), CPU as a percentage of one core over the window:
+        ``sum`` over its processes, and its ``busiest_process``."""
         after = self._sample()
         wall = time.monotonic() - self._started
-        used: dict[str, float] = {}
+        used: dict[str, list[float]] = {}
         for pid, (name, seconds) in after.items():
             start = self._before.get(pid, (name, seconds))[1]
-            used[name] = used.get(name, 0.0) + (seconds - start)
-        return {name: round(100 * seconds / wall, 1) for name, seconds in sorted(used.items())}
+            used.setdefault(name, []).append(seconds - start)
+        return {"sum": {name: round(100 * sum(s) / wall, 1) for name, s in sorted(used.items())},
+                "busiest_process": {name: round(100 * max(s) / wall, 1)
+                                    for name, s in sorted(used.items())}}
 
 
 INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
-SYNTHESIZER_LINE = re.compile(r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+)")
+SYNTHESIZER_LINE = re.compile(
+    r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)")
 
 
 BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)"
@@ -289,21 +306,21 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
     service's log lines (the ingress's and the synthesizer's, matched by request id): p50 and
     p99 of the client's TTFB, the ingress's (arrival there to first body byte), the
     synthesizer replica's (arrival to first chunk) and the engine's (submission to first
-    audio); ``hops_ms`` is the client's minus the engine's, request by request."""
+    audio, where the first chunk carried it); ``hops_ms`` is the client's minus the engine's,
+    request by request. ``requests`` counts the matched requests, ``requests_ok`` the level's."""
     ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
-    synthesizer = {m[1]: (float(m[2]), float(m[3])) for m in SYNTHESIZER_LINE.finditer(log_text)}
+    synthesizer = {m[1]: (float(m[2]), None if m[3] == "-" else float(m[3]))
+                   for m in SYNTHESIZER_LINE.finditer(log_text)}
+    ok = [r for r in rows if r.get("ok") and r.get("ttfb_s") is not None]
     joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]], *synthesizer[r["request_id"]])
-              for r in rows if r.get("ok") and r.get("request_id") in ingress
-              and r.get("request_id") in synthesizer and r.get("ttfb_s") is not None]
+              for r in ok if r.get("request_id") in ingress and r.get("request_id") in synthesizer]
     if not joined:
         return None
-    columns = list(zip(*joined))
-    names = ("client", "ingress", "synthesizer", "engine")
-    result: dict[str, Any] = {"requests": len(joined)}
-    for name, values in zip(names, columns):
-        result[f"{name}_ms"] = {"p50": percentile(list(values), 50),
-                                "p99": percentile(list(values), 99)}
-    hops = [client - engine for client, _, _, engine in joined]
+    result: dict[str, Any] = {"requests": len(joined), "requests_ok": len(ok)}
+    for index, name in enumerate(("client", "ingress", "synthesizer", "engine")):
+        values = [row[index] for row in joined if row[index] is not None]
+        result[f"{name}_ms"] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    hops = [client - engine for client, _, _, engine in joined if engine is not None]
     result["hops_ms"] = {"p50": percentile(hops, 50), "p99": percentile(hops, 99)}
     return result
 
@@ -408,7 +425,8 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "realtime_share": round(sum(bool(r.get("realtime")) for r in rows) / users, 4),
         "audio_seconds_per_second": round(sum(r["audio_s"] for r in ok) / span, 2),
         "requests_per_s": round(users / span, 3),
-        "cpu_percent_of_a_core": cpu,
+        "cpu_percent_of_a_core": cpu["sum"],
+        "cpu_percent_of_a_core_busiest_process": cpu["busiest_process"],
         "engine_busy": engine_busy(level_log), "locust": locust_summary(work / f"{name}_stats.csv"),
         "ttfb_breakdown": ttfb_breakdown(level_log, rows),
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
@@ -420,6 +438,24 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         result["locust_stderr"] = locust.stderr[-2000:]
     print(json.dumps({k: v for k, v in result.items() if k != "locust"}), flush=True)
     return result
+
+
+def refinement(sweep: list[dict[str, Any]], mode: str, step: int) -> list[int]:
+    """The levels between ``mode``'s largest real-time Poisson level and the smallest failed
+    one above it, ``step`` streams apart (to run upwards until one fails); none if no level
+    failed above a passing one."""
+    runs: dict[int, list[bool]] = {}
+    for row in sweep:
+        if row["mode"] == mode and row["arrival"] == "poisson":
+            runs.setdefault(row["concurrency"], []).append(bool(row["ok"]))
+    passed = [level for level, oks in runs.items() if all(oks)]
+    if step <= 0 or not passed:
+        return []
+    best = max(passed)
+    failed = [level for level, oks in runs.items() if level > best and not all(oks)]
+    if not failed:
+        return []
+    return list(range(best + step, min(failed), step))
 
 
 def speak_once(base_url: str, body: dict[str, Any]) -> float:
@@ -613,9 +649,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         registration = register_voices(base_url, args.voices) if args.voices else None
         voices = registration["ids"] if registration else None
-        # Single streams of every mode first, on the replicas the service starts with: after a
-        # loaded level the AudioEncoder may have scaled out, and a single stream would then
-        # land on a replica scaled for the load, not the service's idle shape.
+        # Single streams of every mode first, on a service that has carried no load yet.
         for mode in args.modes:
             warm_up(base_url, mode)
             if 1 in levels[mode]:
@@ -629,6 +663,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 sweep.extend(rows)
                 if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
                        if r["arrival"] == "poisson"):
+                    break
+            for level in refinement(sweep, mode, args.refine_step):
+                sweep.append(run_level(base_url, mode, level, "poisson", args, work, voices))
+                if not sweep[-1]["ok"]:
                     break
     finally:
         if service is not None and not args.keep_running:

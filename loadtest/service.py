@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import yaml
 
+from serve_app.ingress_env import haproxy_env
+
 ROOT = Path(__file__).resolve().parents[1]
 # Ray's "View the dashboard at http://127.0.0.1:8265" line in the service's log.
 DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)")
@@ -27,7 +29,8 @@ DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)
 
 def start_service(config: dict[str, Any], base_url: str, log_path: Path,
                   ready_timeout_s: float = 300) -> subprocess.Popen:
-    """``serve run`` of the config on a new local cluster, in its own process group."""
+    """``serve run`` of the config on a new local cluster, in its own process group, with
+    HAProxy in front (unless the environment says otherwise)."""
     config_file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
     yaml.safe_dump(config, config_file)
     config_file.close()
@@ -36,7 +39,7 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
          "--address", "local", config_file.name], cwd=ROOT, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        env={**haproxy_env(), **os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     started = time.monotonic()
     deadline = started + ready_timeout_s
     next_note = started + 60

@@ -3,7 +3,8 @@
 
 ``serve run`` starts Ray itself with a random metrics export port; this starts it first with
 ``--metrics-port`` (Ray's ``metrics_export_port``), then hands over to ``serve run``, which
-reuses the running Ray. Prometheus scrapes http://HOST:PORT/metrics: the service's ``ray_tts_*``
+reuses the running Ray. The local Ray starts with Ray's HAProxy in front of the service
+(``serve_app/ingress_env.py``; ``RAY_SERVE_ENABLE_HA_PROXY=0`` opts out). Prometheus scrapes http://HOST:PORT/metrics: the service's ``ray_tts_*``
 metrics and Ray Serve's ``ray_serve_*`` ones. With RAY_ADDRESS set (a cluster started by
 ``ray start --head --metrics-export-port=PORT``), it joins that cluster instead.
 
@@ -21,6 +22,8 @@ import ray
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.scripts import cli
 
+from serve_app.ingress_env import haproxy_env
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,6 +34,9 @@ def main() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=SERVE_NAMESPACE)
     else:
+        # Read by Serve's controller and proxies when they start: set before Ray starts them.
+        for name, value in haproxy_env().items():
+            os.environ.setdefault(name, value)
         ray.init(address="local", namespace=SERVE_NAMESPACE,
                  _metrics_export_port=args.metrics_port)
         print(f"serve_run: Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics",

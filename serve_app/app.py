@@ -1,4 +1,4 @@
-"""The application graph: ``Ingress -> AudioEncoder -> Synthesizer``, built from typed args.
+"""The application graph: ``Ingress -> Synthesizer``, built from typed args.
 
 ``serve run serve_config.yaml`` imports :func:`build_app`; per-deployment resources, replicas and
 autoscaling live in the YAML's ``deployments`` section, not here.
@@ -11,19 +11,16 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import AppArgs
-from serve_app.encoder import AudioEncoder
 from serve_app.ingress import Ingress
 from serve_app.synthesizer import Synthesizer
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
-    """Bind the three deployments; the batching knobs become the synthesizer's user_config."""
+    """Bind the two deployments; the batching knobs become the synthesizer's user_config."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     api = app_args.api
     synthesizer = Synthesizer.options(user_config=app_args.batching.model_dump()).bind(
         app_args.engine, app_args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
         chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s,
         voice_store=api.voice_store)
-    encoder = AudioEncoder.bind(synthesizer, first_chunk_timeout_s=api.first_chunk_timeout_s,
-                                chunk_timeout_s=api.chunk_timeout_s)
-    return Ingress.bind(encoder, synthesizer, app_args.api.model_dump())
+    return Ingress.bind(synthesizer, app_args.api.model_dump())

@@ -1,8 +1,12 @@
-"""Ingress deployment: the HTTP API (FastAPI through ``@serve.ingress``).
+"""Ingress deployment: the service's front, and its one CPU deployment (FastAPI through
+``@serve.ingress``).
 
-Routes, auth, validation and the streaming reply. Every check happens here or in the engine's
-``validate`` (reached through the encoder/synthesizer stream's first item) before the engine
-schedules anything, and every error leaves as OpenAI-style JSON.
+Routes, auth, validation, and the streamed reply: it opens the synthesizer stream, resamples and
+encodes each chunk, and ships the bytes (HTTP body, SSE, WebSocket; :mod:`serve_app.stream_open`).
+Every check happens here or in the engine's ``validate`` (reached through the synthesizer
+stream's first item) before the engine schedules anything, and every error leaves as
+OpenAI-style JSON. In front of its replicas Ray's HAProxy balances connections (leastconn), so no
+Python proxy sits on the data path (README "Serving").
 """
 
 # No `from __future__ import annotations`: FastAPI must see real types on the routes.
@@ -37,7 +41,7 @@ from serve_app.guard import (
 from serve_app.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
-from serve_app.metrics import IngressMetrics
+from serve_app.metrics import EncoderMetrics, IngressMetrics
 from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
 from serve_app.speech_socket import router as speech_socket_router
 from serve_app.stream_open import open_stream
@@ -175,11 +179,9 @@ def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz:
                   graceful_shutdown_timeout_s=90, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api_app)
 class Ingress:
-    def __init__(self, encoder: DeploymentHandle, synthesizer: DeploymentHandle,
-                 api: dict[str, Any]) -> None:
-        self._encoder = encoder
+    def __init__(self, synthesizer: DeploymentHandle, api: dict[str, Any]) -> None:
         self._synthesizer = synthesizer
-        api_app.state.encoder, api_app.state.synthesizer = encoder, synthesizer  # the socket's
+        api_app.state.synthesizer = synthesizer  # the socket's
         use_replica_log()
         self._api = ApiConfig.model_validate(api)
         api_app.state.api_config = self._api
@@ -193,13 +195,19 @@ class Ingress:
                     len(api_app.state.keys), self._api.max_streams,
                     self._api.max_streams_per_key or "no limit")
         self._metrics = IngressMetrics()
+        self._encoder_metrics = EncoderMetrics()
         api_app.state.metrics = self._metrics
+        api_app.state.encoder_metrics = self._encoder_metrics
         self._info: EngineInfo | None = None
+        # The first call through a handle sets up its router and connections: made now, so no
+        # request pays for it; its answer is the engine info the routes need.
+        self._info_call = synthesizer.info.remote()
 
     async def _engine_info(self) -> EngineInfo:
         if self._info is None:
+            call, self._info_call = self._info_call, None
             try:
-                self._info = await asyncio.wait_for(self._synthesizer.info.remote(),
+                self._info = await asyncio.wait_for(call or self._synthesizer.info.remote(),
                                                     self._api.handle_timeout_s)
             except Exception as exc:
                 logger.error("engine info unavailable (%s)", type(exc).__name__)
@@ -413,7 +421,8 @@ class Ingress:
                       received_s: float, events: bool = False) -> StreamingResponse:
         job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz,
                         events=events)
-        first, pieces, upstream = await open_stream(self._encoder, job, self._api)
+        first, pieces, upstream = await open_stream(self._synthesizer, job, self._api,
+                                                     self._encoder_metrics)
         if first:
             self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
                                        audio_format)

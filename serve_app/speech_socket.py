@@ -91,7 +91,7 @@ class SpeechSession:
         self.api: ApiConfig = state.api_config
         self.keys: KeyRing = state.keys
         self.admission: StreamAdmission = state.admission
-        self.encoder = state.encoder
+        self.encoder_metrics = state.encoder_metrics
         self.synthesizer = state.synthesizer
         self.metrics = state.metrics
         self.voice_store = state.voice_store
@@ -99,7 +99,7 @@ class SpeechSession:
         self.key: str | None = None  # the API key's log label, once authenticated
         self.send_lock = asyncio.Lock()
         self.replica_id: str | None = None
-        self.upstream: Any = None  # the encoder stream: cancelled when the session ends
+        self.upstream: Any = None  # the synthesizer stream: cancelled when the session ends
         self.text_chars = 0
         self.input_done = False
         self.first_delta_s: float | None = None
@@ -185,7 +185,8 @@ class SpeechSession:
                                     system_prompt=start.instructions or None)
             job = EncodeJob(request=request, audio_format=start.response_format,
                             sample_rate_hz=start.sample_rate, events=True)
-            first, pieces, self.upstream = await open_stream(self.encoder, job, self.api)
+            first, pieces, self.upstream = await open_stream(self.synthesizer, job, self.api,
+                                                             self.encoder_metrics)
         except ApiError as error:
             raise SessionEnd(_api_error_event(error), CLOSE_NORMAL) from None
         if not isinstance(first, TextInputOpen):

@@ -1,38 +1,99 @@
-"""Opening a speech stream through the encoder, for the HTTP routes and the WebSocket alike.
+"""Opening a speech stream on the synthesizer and encoding it, for the HTTP routes and the
+WebSocket alike: the front's one hop.
+
+The front calls ``Synthesizer.synthesize`` with ``.options(stream=True)`` and, per engine chunk,
+resamples and encodes it here (:class:`~serve_app.audio.StreamEncoder`), so the bytes leave for
+the socket in the process that received the request: no encoder hop between the front and the
+GPU replica, and the GPU replica never spends time on codecs.
 
 The first item decides the outcome: an :class:`~serve_app.errors.ApiError` (refused or failed
 before any audio) is raised, so the caller can still answer with the right status; anything else
-is returned with the rest of the stream, each piece within its timeout (:mod:`serve_app.hops`).
+is returned with the rest of the stream, each engine chunk within its timeout
+(:mod:`serve_app.hops`). The first chunk is encoded and handed on the moment it arrives.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from serve_app.audio import StreamEncoder
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
 from serve_app.hops import HOP_MARGIN_S, relay_error, within
-from serve_app.messages import EncodeJob
+from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
+from serve_app.metrics import EncoderMetrics
+
+StreamItem = bytes | EncodedChunk | StreamUsage | TextInputOpen | ApiError
 
 
-async def open_stream(encoder: DeploymentHandle, job: EncodeJob, api: ApiConfig
-                      ) -> tuple[Any, AsyncIterator[Any], DeploymentResponseGenerator]:
-    """Start ``job`` on the encoder; returns its first item (``b""`` if it sent none), the rest
-    (timed: per piece, and ``api.max_stream_s`` in all) and the upstream (to cancel)."""
-    upstream: DeploymentResponseGenerator = encoder.stream.options(stream=True).remote(job)
-    pieces = within(upstream, api.first_chunk_timeout_s + 2 * HOP_MARGIN_S,
-                    api.chunk_timeout_s + 2 * HOP_MARGIN_S, api.max_stream_s)
+async def open_stream(synthesizer: DeploymentHandle, job: EncodeJob, api: ApiConfig,
+                      metrics: EncoderMetrics
+                      ) -> tuple[Any, AsyncIterator[StreamItem], DeploymentResponseGenerator]:
+    """Start ``job`` on the synthesizer; returns its first encoded item (``b""`` if it sent
+    none), the rest (each engine chunk within its timeout, ``api.max_stream_s`` in all) and the
+    upstream (to cancel: that aborts the engine stream)."""
+    upstream: DeploymentResponseGenerator = (
+        synthesizer.synthesize.options(stream=True).remote(job.request))
+    chunks = within(upstream, api.first_chunk_timeout_s + HOP_MARGIN_S,
+                    api.chunk_timeout_s + HOP_MARGIN_S, api.max_stream_s)
+    pieces = encoded(chunks, job, metrics)
     try:
         first = await anext(pieces)
     except StopAsyncIteration:
         first = b""
-    except BaseException as exc:
+    except BaseException:
         upstream.cancel()
-        if isinstance(exc, Exception):
-            raise relay_error(job.request.request_id, "the encoder", exc) from None
         raise
     if isinstance(first, ApiError):
+        upstream.cancel()
         raise first
     return first, pieces, upstream
+
+
+async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMetrics
+                  ) -> AsyncIterator[StreamItem]:
+    """The synthesizer's items with each ``AudioChunk`` resampled and encoded: bytes (with
+    ``job.events``: an :class:`EncodedChunk` per engine chunk, then the :class:`StreamUsage`).
+    A refused or failed stream ends with an :class:`ApiError` item."""
+    started_s = time.perf_counter()
+    audio_s = 0.0
+    encoder: StreamEncoder | None = None
+    usage: StreamUsage | None = None
+    try:
+        async for item in chunks:
+            if isinstance(item, ApiError):
+                yield item
+                return
+            if isinstance(item, StreamUsage):
+                usage = item  # sent after the encoder's tail: it closes the stream
+                continue
+            if isinstance(item, TextInputOpen):
+                yield item  # the caller feeds the stream's text to that replica
+                continue
+            if encoder is None:
+                encoder = StreamEncoder(job.audio_format, item.sample_rate_hz,
+                                        job.sample_rate_hz)
+            # Codecs take milliseconds per chunk: they run in a worker thread so the event loop
+            # stays free for other streams. Raw samples are cast here, sparing the handoff.
+            encode_started_s = time.perf_counter()
+            data = (encoder.encode(item.samples) if encoder.light
+                    else await asyncio.to_thread(encoder.encode, item.samples))
+            metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
+            if job.events:
+                yield EncodedChunk(data, item.text, audio_s, item.duration_s, item.timings_s)
+            elif data:
+                yield data
+            audio_s += item.duration_s
+        if encoder is not None:
+            tail = encoder.finish() if encoder.light else await asyncio.to_thread(encoder.finish)
+            if tail:
+                yield EncodedChunk(tail, "", audio_s, 0.0) if job.events else tail
+        if job.events and usage is not None:
+            yield usage
+        metrics.stream_finished(job.audio_format, audio_s, time.perf_counter() - started_s)
+    except Exception as exc:
+        yield relay_error(job.request.request_id, "the synthesizer", exc)

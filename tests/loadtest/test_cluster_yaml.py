@@ -71,8 +71,8 @@ def test_cpu_workers_and_head_have_no_gpu(cluster: dict, deployments: dict[str, 
     assert "GPU" not in types["head.cpu"]["resources"]
     cpu = types["worker.cpu"]
     assert "GPU" not in cpu["resources"]
-    encoder_cpus = deployments["AudioEncoder"]["ray_actor_options"]["num_cpus"]
-    assert cpu["resources"]["CPU"] >= encoder_cpus
+    front_cpus = deployments["Ingress"]["ray_actor_options"]["num_cpus"]
+    assert cpu["resources"]["CPU"] >= front_cpus
     assert cluster["max_workers"] >= sum(t.get("max_workers", 0) for t in types.values())
 
 
@@ -94,3 +94,13 @@ def test_every_shipped_config_gives_its_replicas_the_same_serve_transport() -> N
     assert production["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
     for name in sorted(p.name for p in ROOT.glob("serve_config*.yaml")):
         assert replica_env(name) == production, name
+
+
+def test_every_node_starts_ray_with_haproxy_in_front(cluster: dict) -> None:
+    """Serve's controller and proxies read the HAProxy flag when Ray starts on a node, not from
+    an application's runtime_env: every node's start command sets it."""
+    from serve_app.ingress_env import HAPROXY_FLAG
+
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [command for command in cluster[key] if "ray start" in command]
+        assert starts and all(f"export {HAPROXY_FLAG}=1;" in command for command in starts), key

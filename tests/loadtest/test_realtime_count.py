@@ -64,3 +64,17 @@ def test_step_phases_are_summarised_per_phase_over_the_steps():
     assert slow == {"ms": 30.0, "generating": 4, "admitted": 1, "gc_ms": 1.0,
                     "phase_ms": {"tts_step": 10.0, "admit_prefill": 20.0},
                     "work": {"llm_prefill_passes": 1}}
+
+
+def test_refinement_steps_up_from_the_best_level_to_the_first_failure():
+    from loadtest.bench_serve import refinement
+
+    def row(level, ok, mode="read", arrival="poisson"):
+        return {"mode": mode, "arrival": arrival, "concurrency": level, "ok": ok}
+
+    sweep = [row(1, True, arrival="single"), row(448, True), row(576, False), row(640, False),
+             row(128, False, mode="chat")]
+    assert refinement(sweep, "read", 32) == [480, 512, 544]
+    assert refinement(sweep, "read", 0) == []
+    assert refinement(sweep, "chat", 32) == []  # nothing passed
+    assert refinement([row(448, True)], "read", 32) == []  # nothing failed above it

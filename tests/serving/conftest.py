@@ -42,6 +42,15 @@ def production_replica_env() -> dict[str, str]:
 RAY_ENV.update(production_replica_env())
 
 
+def ray_env() -> dict[str, str]:
+    """The environment of a cluster this session starts: :data:`RAY_ENV`, and HAProxy in front
+    (as every shipped profile runs) on ports of its own."""
+    from loadtest.local_cluster import free_ports
+    from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, haproxy_env
+
+    return {**RAY_ENV, **haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS)))}
+
+
 @dataclass
 class Server:
     base_url: str
@@ -88,8 +97,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
     # never collide. Metrics arrive within a second (Ray's default: 10 s).
     port = int(os.environ.get("SERVE_TEST_PORT") or _free_port())
     metrics_port = _free_port()
-    saved = {name: os.environ.get(name) for name in RAY_ENV}
-    os.environ.update(RAY_ENV)  # inherited by the raylet, hence by every Ray worker
+    env = ray_env()
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # inherited by the raylet, hence by every Ray worker
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
                  log_to_driver=False, _metrics_export_port=metrics_port,

@@ -21,7 +21,6 @@ def long_stream_app(server, tiny_checkpoint):
     from ray import serve
 
     from serve_app.config import ApiConfig, BatchingConfig
-    from serve_app.encoder import AudioEncoder
     from serve_app.ingress import Ingress
     from serve_app.synthesizer import Synthesizer
 
@@ -35,9 +34,7 @@ def long_stream_app(server, tiny_checkpoint):
         user_config=BatchingConfig(max_batch_size=1, batch_wait_timeout_s=0.0,
                                    max_concurrent_batches=1).model_dump(),
     ).bind("minicpmo", options)
-    encoder = AudioEncoder.options(ray_actor_options=small).bind(synthesizer)
-    ingress = Ingress.options(ray_actor_options=small).bind(encoder, synthesizer,
-                                                            ApiConfig().model_dump())
+    ingress = Ingress.options(ray_actor_options=small).bind(synthesizer, ApiConfig().model_dump())
     serve.run(ingress, name=APP, route_prefix=PREFIX)
     base = f"{server.base_url}{PREFIX}"
     deadline = time.monotonic() + 180

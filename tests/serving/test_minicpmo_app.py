@@ -35,7 +35,6 @@ def minicpmo_app(server, tiny_checkpoint):
     from ray import serve
 
     from serve_app.config import ApiConfig, BatchingConfig
-    from serve_app.encoder import AudioEncoder
     from serve_app.ingress import Ingress
     from serve_app.synthesizer import Synthesizer
 
@@ -44,9 +43,7 @@ def minicpmo_app(server, tiny_checkpoint):
         name="Synthesizer", ray_actor_options=small,
         user_config=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05).model_dump(),
     ).bind("minicpmo", engine_options(tiny_checkpoint))
-    encoder = AudioEncoder.options(ray_actor_options=small).bind(synthesizer)
-    ingress = Ingress.options(ray_actor_options=small).bind(encoder, synthesizer,
-                                                            ApiConfig().model_dump())
+    ingress = Ingress.options(ray_actor_options=small).bind(synthesizer, ApiConfig().model_dump())
     serve.run(ingress, name=APP, route_prefix=PREFIX)
     base = f"{server.base_url}{PREFIX}"
     wait_ready(base, "the minicpmo app")

@@ -74,7 +74,6 @@ def deploy(args: AppArgs, synth_replicas: int = 1) -> None:
     """
     from ray import serve
 
-    from serve_app.encoder import AudioEncoder
     from serve_app.ingress import Ingress
     from serve_app.synthesizer import Synthesizer
 
@@ -85,15 +84,11 @@ def deploy(args: AppArgs, synth_replicas: int = 1) -> None:
         ray_actor_options={"num_cpus": 0.2}, user_config=args.batching.model_dump(),
     ).bind(args.engine, args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
            chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s)
-    encoder = AudioEncoder.options(ray_actor_options={"num_cpus": 0.05},
-                                   graceful_shutdown_timeout_s=30).bind(
-        synthesizer, first_chunk_timeout_s=api.first_chunk_timeout_s,
-        chunk_timeout_s=api.chunk_timeout_s)
     ingress = Ingress.options(
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": 0.05,
                            "runtime_env": {"env_vars": {KEYS_ENV: ENV_KEY}}},
-    ).bind(encoder, synthesizer, api.model_dump())
+    ).bind(synthesizer, api.model_dump())
     serve.run(ingress, name=APP, route_prefix=PREFIX)
 
 
@@ -218,8 +213,10 @@ def assert_same_audio(served: bytes, expected: bytes) -> None:
     assert len(served) == len(expected)
     a = np.frombuffer(served, "<i2").astype(np.int32)
     b = np.frombuffer(expected, "<i2").astype(np.int32)
-    # A row batched with others may differ by float rounding (see test_speech_api).
-    assert np.max(np.abs(a - b)) <= 2
+    # A row batched with others matches it run alone within about 1e-4 of full scale, and in
+    # its last padded samples within 1e-3 (the engine's own bound, test_piper_engine.py's
+    # test_batched_rows_match_single_runs): which streams share a batch depends on timing.
+    assert np.max(np.abs(a - b)) <= 1e-3 * 32768
 
 
 # ---- auth --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.conftest import RAY_ENV, _free_port
+from tests.serving.conftest import _free_port, ray_env
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_a_minute_of_mixed_load_with_a_crash_loses_nothing(tmp_path: Path) -> No
         [sys.executable, "-m", "loadtest.soak", "--duration-s", str(DURATION_S),
          "--crash-at-s", "20", "--concurrency", "4", "--port", str(_free_port()),
          "--out", str(out), "--log", str(tmp_path / "serve.log")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **RAY_ENV})
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **ray_env()})
     assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["lost"] == 0, report

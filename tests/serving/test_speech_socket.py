@@ -180,15 +180,13 @@ def two_replicas(server: Server) -> Server:
     from ray import serve
 
     from serve_app.config import ApiConfig
-    from serve_app.encoder import AudioEncoder
     from serve_app.ingress import Ingress
     from serve_app.synthesizer import Synthesizer
 
     synthesizer = Synthesizer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.1}).bind(
         "piper", {"intra_op_threads": 1, "max_batch_size": 4})
-    encoder = AudioEncoder.options(ray_actor_options={"num_cpus": 0.05}).bind(synthesizer)
     ingress = Ingress.options(ray_actor_options={"num_cpus": 0.05}).bind(
-        encoder, synthesizer, ApiConfig(api_key=server.api_key).model_dump())
+        synthesizer, ApiConfig(api_key=server.api_key).model_dump())
     serve.run(ingress, name=PINNED_APP, route_prefix=PINNED_PREFIX)
     app = Server(base_url=f"{server.base_url}{PINNED_PREFIX}", api_key=server.api_key,
                  metrics_url=server.metrics_url, voice_store=server.voice_store)

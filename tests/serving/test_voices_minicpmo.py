@@ -1,8 +1,8 @@
 """Cloned voices end to end on the tiny MiniCPM-o voice checkpoint (with its audio encoder), over
 real HTTP, WebSocket, the CLI and the web page.
 
-Two apps run side by side on the session's Ray Serve instance, each its own Ingress, AudioEncoder
-and Synthesizer, with the same API keys and the same voice store folder: "a" and "b". A voice
+Two apps run side by side on the session's Ray Serve instance, each its own Ingress and
+Synthesizer, with the same API keys and the same voice store folder: "a" and "b". A voice
 created through one is spoken through the other, whose Ingress and Synthesizer never saw it
 created: what every replica of one app sees too, since a replica knows voices only through the
 store. App b's engine keeps one voice loaded, so speaking two voices there evicts and reloads.
@@ -63,7 +63,6 @@ def deploy(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voi
     from ray import serve
 
     from serve_app.config import BatchingConfig
-    from serve_app.encoder import AudioEncoder
     from serve_app.ingress import Ingress
     from serve_app.synthesizer import Synthesizer
 
@@ -73,9 +72,7 @@ def deploy(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voi
         ray_actor_options=small,
         user_config=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05).model_dump(),
     ).bind("minicpmo", options, voice_store=api.voice_store)
-    encoder = AudioEncoder.options(ray_actor_options=small).bind(synthesizer)
-    ingress = Ingress.options(ray_actor_options=small).bind(encoder, synthesizer,
-                                                            api.model_dump())
+    ingress = Ingress.options(ray_actor_options=small).bind(synthesizer, api.model_dump())
     serve.run(ingress, name=name, route_prefix=prefix)
 
 
