@@ -38,8 +38,10 @@ class EngineOptions:
     profile_phases: bool = False  # benchmarks: time each phase of the step (adds GPU syncs)
     llm_lookahead_pieces: int = 2  # chat: decode ahead of the TTS by at most this many pieces
     # streamed text: after this long without new text, speech that waits for more speaks the
-    # text up to its last break (streamed_text.py) instead; a shorter wait cuts more often
-    text_break_wait_s: float = 0.1
+    # text up to its last break (streamed_text.py) instead. Above the gaps of a text that
+    # streams at 5 words/s or faster, so an LLM's answer is cut only where it really pauses;
+    # each cut ends an utterance there (a sentence's fall at a comma)
+    text_break_wait_s: float = 0.25
     # chat: while audio is generated, launch the LLM step before the audio window and take its
     # tokens after it (on CUDA on a stream of its own, so the two overlap; its graphs are
     # captured on a stream of their own, graphs.py); while a stream waits for text, its further
