@@ -39,7 +39,10 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
          "--address", "local", config_file.name], cwd=ROOT, stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True,
-        env={**haproxy_env(), **os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        # RAY_DEDUP_LOGS=0: the log keeps every replica's line (Ray folds lines that differ only
+        # in numbers across processes, which hid most of the per-request lines bench_serve
+        # matches once the Ingress ran as several replicas).
+        env={**haproxy_env(), "RAY_DEDUP_LOGS": "0", **os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     started = time.monotonic()
     deadline = started + ready_timeout_s
     next_note = started + 60
