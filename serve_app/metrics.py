@@ -6,7 +6,7 @@ the deployment, replica and application; ``scripts/serve`` fixes that port (see 
 see:
 
 - Ingress: time to first byte, HTTP streams in flight, errors by code.
-- AudioEncoder: real-time factor, audio seconds produced, per-stage seconds (the engine's
+- Ingress (its encoding): real-time factor, audio seconds produced, per-stage seconds (the engine's
   ``AudioChunk.timings_s`` plus the encoder's own).
 - Synthesizer: engine streams, queued requests, batch occupancy, steps. (Serve itself exports
   the ``@serve.batch`` admission: ``ray_serve_actual_batch_size``, ``ray_serve_batch_*``.)

@@ -1,6 +1,6 @@
 """Routing of calls to the Synthesizer: text for a streamed-input request goes to its replica.
 
-A WebSocket session's audio stream runs ``Ingress -> AudioEncoder -> Synthesizer``; the text it
+A WebSocket session's audio stream runs ``Ingress -> Synthesizer``; the text it
 is fed later must reach the *same* Synthesizer replica, the one whose engine holds the stream.
 Serve routes every handle call on its own, so the stream announces its replica id
 (:class:`~serve_app.messages.TextInputOpen`) and each ``feed_text`` call names it in the

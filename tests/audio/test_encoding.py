@@ -145,7 +145,7 @@ def test_encoder_input_is_silenced_where_not_finite_and_clipped_to_full_scale() 
 
 
 def test_only_raw_sample_formats_skip_the_codec_thread() -> None:
-    """The AudioEncoder casts pcm and wav on its event loop; a libsndfile codec must go to a
+    """The front (Ingress) casts pcm and wav on its event loop; a libsndfile codec must go to a
     worker thread (it takes milliseconds per chunk), so it must never count as light."""
     light = {fmt for fmt in FORMATS if StreamEncoder(fmt, 24000, 24000).light}
     assert light == {"pcm", "wav"}
