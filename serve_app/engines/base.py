@@ -165,6 +165,9 @@ class EngineStats:
     step_seconds: float = 0.0  # wall time spent running steps: the engine's busy time
     llm_steps: int = 0  # batched LLM decode steps (chat text) run inside engine steps
     device_memory_peak_bytes: int = 0  # most GPU memory the engine's allocator has held (0: CPU)
+    # The audio each generating stream gets from one step: a step that takes longer falls behind
+    # real time (0: the engine's steps have no fixed budget). The autoscaling policy reads it.
+    step_budget_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
