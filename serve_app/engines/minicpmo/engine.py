@@ -319,7 +319,7 @@ class MiniCPMOEngine(SubmitsIterators):
 
     def stats(self) -> EngineStats:
         stats = self._scheduler.stats()
-        stats.step_budget_s = self._options.steps_per_sync * SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ
+        stats.step_budget_s = self.options.steps_per_sync * SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ
         if self._runner.device.type == "cuda":
             stats.device_memory_peak_bytes = torch.cuda.max_memory_reserved(self._runner.device)
         return stats
