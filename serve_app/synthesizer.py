@@ -31,11 +31,13 @@ import numpy as np
 from ray import serve
 
 from serve_app import errors
+from serve_app.autoscaling import engine_signals
 from serve_app.config import DEFAULT_VOICE_STORE, BatchingConfig
 from serve_app.engine_client import EngineClient, EngineDeadError
 from serve_app.engines.base import (
     AudioChunk,
     EngineOverloadedError,
+    EngineStats,
     InvalidRequestError,
     SpeechRequest,
     refuse_unsupported,
@@ -117,6 +119,7 @@ class Synthesizer:
         self._batch_sizes: Counter[int] = Counter()
         self._metrics = SynthesizerMetrics()
         self._waiting_for_admission: set[str] = set()
+        self._stats_at_last_report: EngineStats | None = None  # record_autoscaling_stats
         # Text fed so far to each streamed-input request on this replica (for its usage).
         self._fed_text: dict[str, list[str]] = {}
         self._metrics_task: asyncio.Task | None = None
@@ -372,6 +375,15 @@ class Synthesizer:
 
     def ready(self) -> bool:
         return self._ready
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the Synthesizer's autoscaling policy reads (serve_app/autoscaling.py): streams
+        waiting, slot occupancy, step time over its real-time budget since the last report."""
+        stats = self._engine.stats()
+        signals = engine_signals(stats, self._stats_at_last_report,
+                                 len(self._waiting_for_admission))
+        self._stats_at_last_report = stats
+        return signals
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine process died is replaced."""
