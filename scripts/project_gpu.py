@@ -17,7 +17,7 @@ grows with the step: the measured run's p99 TTFB over its step time at the level
 projected p99 TTFB. ``max_realtime_streams`` interpolates (and below the lowest level,
 extrapolates) the step time linearly in the streams held.
 
-Example: python scripts/project_gpu.py docs/benchmarks/engine-h100-roofline.json --target a10g \\
+Example: python scripts/project_gpu.py docs/benchmarks/history/engine-h100-roofline.json --target a10g \\
     --int4-llm --out docs/benchmarks/a10g-projection.json
 """
 

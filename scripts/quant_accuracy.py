@@ -12,7 +12,7 @@ Poisson-arrival engine runs at ``--poisson-concurrency`` for bf16 and the quanti
 Writes JSON to ``--out``.
 
 Example: python scripts/quant_accuracy.py --quantization int4 --poisson-concurrency 32 \\
-    --out docs/benchmarks/int4-accuracy-h200.json
+    --out docs/benchmarks/int4-accuracy-h100.json
 """
 
 from __future__ import annotations
