@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from serve_app.engines.base import InvalidRequestError
+from serve_app.engines.errors import InvalidRequestError
 
 # The longest text (characters, after cleaning) an engine accepts; api.max_input_chars may not
 # exceed it.
