@@ -17,6 +17,16 @@ from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
+from serve_app.text_rule import clean_text
+
+# The errors live in a leaf module, which text_rule imports without this one; re-exported here.
+from .errors import (  # noqa: F401
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestAbortedError,
+)
+
 logger = logging.getLogger(__name__)
 
 Mode = Literal["read", "chat"]
@@ -29,36 +39,6 @@ TEXT_INPUTS: tuple[str, ...] = ("whole", "streamed")
 MIN_CLIP_S = 1.0
 MAX_CLIP_S = 30.0  # Whisper's window (1500 encoder positions); OpenAI's limit for a voice sample
 MIN_CLIP_RATE_HZ, MAX_CLIP_RATE_HZ = 8_000, 192_000
-
-
-class EngineError(RuntimeError):
-    """A failure inside the engine while serving a request (not the caller's fault)."""
-
-
-class InvalidRequestError(ValueError):
-    """The caller asked for something the engine cannot do; maps to a 4xx reply.
-
-    ``param`` names the offending request field, ``code`` is a short machine-readable reason.
-    """
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request",
-                 status_code: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status_code = status_code
-
-    def __reduce__(self) -> tuple:  # keeps param and code across processes
-        return (type(self), (self.message, self.param, self.code, self.status_code))
-
-
-class EngineOverloadedError(EngineError):
-    """No free slot and the engine's own queue is full; maps to 503 with Retry-After."""
-
-
-class RequestAbortedError(EngineError):
-    """The stream was aborted (client gone, shutdown) before it finished."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +104,6 @@ class SpeechRequest:
 
     def __post_init__(self) -> None:
         # Whoever builds a request, its engine sees the text under the one text rule.
-        from serve_app.text_rule import clean_text  # imported here: text_rule imports this module
-
         object.__setattr__(self, "text", clean_text(self.text))
 
 
