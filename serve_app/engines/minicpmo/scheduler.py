@@ -20,7 +20,7 @@ from ..base import (
     SpeechRequest,
 )
 from ..streamed_text import StreamedText, unknown_stream
-from .output import StreamingAudioJoiner
+from .joiner import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
 from .voices import VoicePrefix

@@ -33,9 +33,10 @@ from ..faults import FaultInjection, crash_process
 from .audio_step import AudioStepInputs
 from .chat import ChatText
 from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from .joiner import StreamingAudioJoiner
 from .loader import LoadedModel
 from .options import EngineOptions
-from .output import StreamingAudioJoiner, emit, join_decoded, send
+from .output import emit, join_decoded, send
 from .runner import DecodedAudio, ModelRunner, pass_fits
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill

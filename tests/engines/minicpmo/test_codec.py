@@ -18,7 +18,7 @@ from serve_app.engines.minicpmo.codec import (
     dvae_decode_keys,
     vocos_decode_keys,
 )
-from serve_app.engines.minicpmo.output import StreamingAudioJoiner
+from serve_app.engines.minicpmo.joiner import StreamingAudioJoiner
 from tests.golden.checkpoint import load_expected
 
 # Upstream carries the last 50 frames of a segment into the next one (``aid_len``).
