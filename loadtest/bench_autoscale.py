@@ -1,0 +1,392 @@
+"""Synthesizer replicas scaling on the engine's own queue, under a Locust ramp, on real GPUs.
+
+    scripts/bench_autoscale --gpus 1 --replica-gpus 0.5 --out docs/benchmarks/autoscale-h100.json
+
+It starts ``serve_config.yaml`` as shipped (its autoscaling policy,
+``serve_app.autoscaling:EngineQueuePolicy``) with the benchmark engine setting, the Synthesizer
+at ``--replica-gpus`` GPUs per replica (two replicas share one GPU at 0.5, each engine capped to
+``--gpu-memory-gb`` and ``--max-slots``), ``min_replicas`` 1 and ``max_replicas`` ``--max-replicas``,
+and shorter delays than production (``--upscale-delay-s``, ``--downscale-delay-s``) so a whole
+cycle fits one run. Locust (``ScheduledListener``) replays Poisson arrivals of fixed-length read
+streams whose rate follows a ramp: up to ``--peak-streams`` concurrent streams (past one
+replica's slots), held, then down to ``--low-streams``. Every second it reads the replicas'
+states from Serve (starting, running, stopping) and every 5 s the engines' queue and slot
+occupancy from the metrics; per 5 s window of stream starts, TTFB p50/p99. It writes the
+timeline, failed and cut streams (ended before their audio was complete), the time from the
+scale-out decision (a second replica appears) to it serving, and TTFB p99 during the scale-up
+and after the second replica is ready, as JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.bench_serve import (
+    LOCUSTFILE,
+    READ_TEXT,
+    bench_config,
+    git_commit,
+    gpu_name,
+    parse_args as bench_serve_args,
+    percentile,
+)
+from loadtest.service import ROOT, start_service, stop_service
+
+APP = "tts"
+WINDOW_S = 5.0
+POLICY = "serve_app.autoscaling:EngineQueuePolicy"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/bench_autoscale",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs of this machine to use")
+    parser.add_argument("--replica-gpus", type=float, default=0.5,
+                        help="GPUs per Synthesizer replica (0.5: two replicas share a GPU)")
+    parser.add_argument("--max-replicas", type=int, default=2)
+    parser.add_argument("--gpu-memory-gb", type=float, default=38.0,
+                        help="each engine's cap (0: none, for a replica per GPU)")
+    parser.add_argument("--max-slots", type=int, default=160)
+    parser.add_argument("--max-chat-slots", type=int, default=32)
+    parser.add_argument("--peak-streams", type=int, default=240)
+    parser.add_argument("--low-streams", type=int, default=4)
+    parser.add_argument("--ramp-up-s", type=float, default=30.0)
+    parser.add_argument("--hold-s", type=float, default=180.0)
+    parser.add_argument("--ramp-down-s", type=float, default=10.0)
+    parser.add_argument("--low-s", type=float, default=100.0)
+    parser.add_argument("--audio-seconds", type=float, default=10.0)
+    parser.add_argument("--upscale-delay-s", type=float, default=15.0)
+    parser.add_argument("--downscale-delay-s", type=float, default=30.0)
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="real weights from this folder (e.g. the tests' tiny checkpoint "
+                             "for a CPU smoke run) instead of random ones")
+    parser.add_argument("--engine", default=None,
+                        help="another engine (piper: a CPU smoke run of the script)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-autoscale.log")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "autoscale-h100.json")
+    return parser.parse_args(argv)
+
+
+def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
+    """serve_config.yaml as bench_serve builds it (shipped engine options, benchmark setting),
+    with the Synthesizer autoscaled by the shipped policy at this run's size and delays."""
+    serve_args = ["--config-engine-options", "--modes", "read", "--read-levels",
+                  str(args.peak_streams), "--port", str(args.port), "--cpus", str(args.cpus),
+                  "--audio-seconds", str(args.audio_seconds),
+                  "--engine-option", f"max_slots={args.max_slots}",
+                  "--engine-option", f"max_chat_slots={args.max_chat_slots}"]
+    if args.gpu_memory_gb:
+        serve_args += ["--engine-option", f"gpu_memory_gb={args.gpu_memory_gb}"]
+    if args.checkpoint is not None:
+        serve_args += ["--checkpoint", str(args.checkpoint)]
+    config = bench_config(bench_serve_args(serve_args))
+    [app] = config["applications"]
+    if args.engine is not None:
+        app["args"]["engine"] = args.engine  # piper: its batch is the slots
+        app["args"]["engine_options"] = {"max_batch_size": args.max_slots, "intra_op_threads": 1}
+    for deployment in app["deployments"]:
+        if deployment["name"] != "Synthesizer":
+            continue
+        deployment.pop("num_replicas", None)
+        options = deployment.setdefault("ray_actor_options", {})
+        if args.replica_gpus:
+            options["num_gpus"] = args.replica_gpus
+        else:
+            options.pop("num_gpus", None)
+        # a CPU smoke run (no GPUs) must fit two replicas beside the rest on a small machine
+        options["num_cpus"] = min(options.get("num_cpus", 1), 1 if args.replica_gpus else 0.25)
+        deployment["max_ongoing_requests"] = args.max_slots
+        deployment["autoscaling_config"] = {
+            "min_replicas": 1, "initial_replicas": 1, "max_replicas": args.max_replicas,
+            "target_ongoing_requests": max(1, int(0.75 * args.max_slots)),
+            "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
+            "look_back_period_s": 10.0, "metrics_interval_s": 1.0,
+            "policy": {"policy_function": POLICY,
+                       "policy_kwargs": {"target_occupancy": 0.75, "target_step_budget": 0.6}}}
+        deployment["graceful_shutdown_timeout_s"] = 120
+    return config
+
+
+def target_streams(t_s: float, args: argparse.Namespace) -> float:
+    """The ramp: concurrent streams wanted ``t_s`` after the load starts."""
+    up, hold, down = args.ramp_up_s, args.hold_s, args.ramp_down_s
+    if t_s < up:
+        return args.peak_streams * t_s / up
+    if t_s < up + hold:
+        return args.peak_streams
+    if t_s < up + hold + down:
+        share = (t_s - up - hold) / down
+        return args.peak_streams + (args.low_streams - args.peak_streams) * share
+    return args.low_streams
+
+
+def arrivals_s(args: argparse.Namespace, seed: int = 0) -> list[float]:
+    """Poisson arrivals whose rate holds :func:`target_streams` streams of
+    ``--audio-seconds`` (Little's law), drawn by thinning."""
+    rng = random.Random(seed)
+    period = args.audio_seconds * 1.05
+    peak_rate = max(args.peak_streams, args.low_streams) / period
+    end = args.ramp_up_s + args.hold_s + args.ramp_down_s + args.low_s
+    times, now = [], 0.0
+    while True:
+        now += rng.expovariate(peak_rate)
+        if now >= end:
+            return times
+        if rng.random() < target_streams(now, args) / period / peak_rate:
+            times.append(now)
+
+
+class StatePoller:
+    """Serve's view of the Synthesizer's replicas every second, and the engines' gauges."""
+
+    def __init__(self, metrics_url: str | None) -> None:
+        self.samples: list[dict[str, Any]] = []
+        self.metrics_url = metrics_url
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = time.time()
+
+    def start(self) -> StatePoller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        from ray import serve
+
+        while not self._stop.is_set():
+            sample: dict[str, Any] = {"t_s": round(time.time() - self.t0, 1)}
+            try:
+                app = serve.status().applications.get(APP)
+                states = app.deployments["Synthesizer"].replica_states if app else {}
+                sample["states"] = {str(getattr(k, "value", k)): v for k, v in states.items() if v}
+            except Exception as exc:  # a slow controller must not end the record
+                sample["error"] = type(exc).__name__
+            sample.update(self._gauges())
+            self.samples.append(sample)
+            self._stop.wait(1.0)
+
+    def _gauges(self) -> dict[str, float]:
+        if not self.metrics_url:
+            return {}
+        try:
+            text = httpx.get(self.metrics_url, timeout=2).text
+        except httpx.HTTPError:
+            return {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        sums = {"queued": 0.0, "active_streams": 0.0, "slots": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "ray_tts_queued_requests":
+                    sums["queued"] += sample.value
+                elif sample.name == "ray_tts_engine_active_streams":
+                    sums["active_streams"] += sample.value
+                elif sample.name == "ray_tts_engine_slots":
+                    sums["slots"] += sample.value
+        sums["slot_occupancy"] = round(sums["active_streams"] / sums["slots"], 3) \
+            if sums["slots"] else 0.0
+        return sums
+
+
+def metrics_url() -> str | None:
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None
+
+
+def run_load(base_url: str, times: list[float], args: argparse.Namespace, work: Path
+             ) -> tuple[list[dict[str, Any]], float]:
+    """Locust replays ``times``; returns its per-stream records and the load's start (epoch)."""
+    t0 = time.time() + 5.0 + len(times) / 400
+    body = {"text": READ_TEXT, "mode": "read", "format": "pcm", "sample_rate": 24000}
+    schedule = work / "autoscale.schedule.json"
+    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
+                                    "name": "/v1/speech/stream read", "format": "pcm",
+                                    "sample_rate": 24000, "arrivals_s": times, "voices": []}))
+    records = work / "autoscale.jsonl"
+    run_time_s = int(times[-1] + 3 * args.audio_seconds + 90)
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "ScheduledListener",
+               "--headless", "-u", str(len(times)), "-r", str(len(times)), "--host", base_url,
+               "--run-time", f"{run_time_s}s", "--stop-timeout", "60", "--only-summary",
+               "--loglevel", "WARNING"]
+    env = {**os.environ, "LOADTEST_SCHEDULE": str(schedule), "LOADTEST_RECORDS": str(records)}
+    subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                   timeout=run_time_s + 180)
+    rows = [json.loads(line) for line in records.read_text().splitlines()] \
+        if records.exists() else []
+    return rows, t0
+
+
+SCALE_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) controller \d+ -- "
+                        r"(Upscaling|Downscaling) Deployment\(name='Synthesizer'.*? from (\d+) "
+                        r"to (\d+) replicas")
+
+
+def scale_decisions(log_text: str, load_t0_s: float) -> list[dict[str, Any]]:
+    """Serve controller's scaling decisions for the Synthesizer, on the load's clock."""
+    decisions = []
+    for match in SCALE_LINE.finditer(log_text):
+        at = time.mktime(time.strptime(match[1], "%Y-%m-%d %H:%M:%S")) + int(match[2]) / 1000
+        decisions.append({"t_s": round(at - load_t0_s, 1), "action": match[3].lower(),
+                          "from": int(match[4]), "to": int(match[5])})
+    return decisions
+
+
+def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0_s: float,
+              poll_t0: float, args: argparse.Namespace, log_text: str = "") -> dict[str, Any]:
+    """The timeline in 5 s windows (on the load's clock), the failures and the scale events
+    (the decisions from the controller's log, the replicas' states from Serve's status)."""
+    offset = poll_t0 - load_t0_s  # poll time + offset = load time
+    for sample in samples:
+        sample["t_s"] = round(sample["t_s"] + offset, 1)
+    cut = [r for r in rows if r.get("ok") and r.get("audio_s", 0) < 0.95 * args.audio_seconds]
+    failed = [r for r in rows if not r.get("ok")]
+    end = max([s["t_s"] for s in samples] + [0.0])
+    timeline = []
+    for index in range(int(math.ceil(end / WINDOW_S)) + 1):
+        low, high = index * WINDOW_S, (index + 1) * WINDOW_S
+        window = [s for s in samples if low <= s["t_s"] < high]
+        if not window:
+            continue
+        states: dict[str, int] = window[-1].get("states", {})
+        starts = [r for r in rows if low <= r["start"] - load_t0_s < high]
+        ttfbs = [r["ttfb_s"] * 1000 for r in starts if r.get("ok") and r.get("ttfb_s")]
+        timeline.append({
+            "t_s": low, "replicas": states.get("RUNNING", 0),
+            "starting": states.get("STARTING", 0) + states.get("UPDATING", 0),
+            "draining": states.get("STOPPING", 0), "target_streams": round(target_streams(low, args)),
+            "queued": max((s.get("queued", 0.0) for s in window), default=0.0),
+            "slot_occupancy": max((s.get("slot_occupancy", 0.0) for s in window), default=0.0),
+            "streams_started": len(starts), "ttfb_ms_p50": percentile(ttfbs, 50),
+            "ttfb_ms_p99": percentile(ttfbs, 99)})
+    total = [s for s in samples if "states" in s]
+    decisions = scale_decisions(log_text, load_t0_s)
+    decided = next((d["t_s"] for d in decisions if d["action"] == "upscaling"),
+                   next((s["t_s"] for s in total if sum(s["states"].values()) >= 2), None))
+    ready = next((s["t_s"] for s in total if s["states"].get("RUNNING", 0) >= 2), None)
+    back = next((s["t_s"] for s in total if ready is not None and s["t_s"] > ready
+                 and s["states"].get("RUNNING", 0) == 1 and sum(s["states"].values()) == 1), None)
+
+    def p99_between(start: float | None, stop: float | None) -> float | None:
+        if start is None:
+            return None
+        values = [r["ttfb_s"] * 1000 for r in rows if r.get("ok") and r.get("ttfb_s")
+                  and start <= r["start"] - load_t0_s < (stop if stop is not None else 1e9)]
+        return percentile(values, 99)
+
+    hold_end = args.ramp_up_s + args.hold_s
+    peak = max((row["replicas"] for row in timeline), default=0)
+    return {
+        "replicas_timeline": timeline, "scale_decisions": decisions,
+        "failed_streams": len(failed), "cut_streams": len(cut),
+        "streams": len(rows), "errors": sorted({r.get("error") or "" for r in failed})[:5],
+        "peak_replicas": peak, "replicas_went": _went(timeline),
+        "scale_out_decision_t_s": decided, "second_replica_ready_t_s": ready,
+        "second_replica_ready_s": round(ready - decided, 1) if ready is not None
+        and decided is not None else None,
+        "back_to_one_t_s": back,
+        "ttfb_ms_p99_during_scale_up": p99_between(decided, ready),
+        "ttfb_ms_p99_after_ready": p99_between(ready, hold_end),
+        "ttfb_ms_p99_before_scale_out": p99_between(0.0, decided),
+    }
+
+
+def _went(timeline: list[dict[str, Any]]) -> list[int]:
+    """The running replica counts in order, repeats folded: [1, 2, 1] for a full cycle."""
+    went: list[int] = []
+    for row in timeline:
+        if row["replicas"] and (not went or went[-1] != row["replicas"]):
+            went.append(row["replicas"])
+    return went
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["replicas_timeline"]
+    t = [r["t_s"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    top.step(t, [r["replicas"] for r in rows], where="post", label="running replicas")
+    top.step(t, [r["starting"] for r in rows], where="post", label="starting")
+    top.set_ylabel("Synthesizer replicas")
+    streams = top.twinx()
+    streams.plot(t, [r["target_streams"] for r in rows], "k:", label="offered streams")
+    streams.plot(t, [r["slot_occupancy"] * 100 for r in rows], "g--", label="slot occupancy %")
+    streams.set_ylabel("streams / occupancy %")
+    top.legend(loc="upper left")
+    streams.legend(loc="upper right")
+    for q, style in (("p50", "-"), ("p99", "-")):
+        bottom.plot(t, [r[f"ttfb_ms_{q}"] for r in rows], style, marker=".", label=f"TTFB {q}")
+    bottom.axhline(500, color="grey", linestyle=":")
+    bottom.set(xlabel="seconds since the load started", ylabel="TTFB (ms)",
+               title=f"{result['gpu']}: {result['policy']}")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = autoscale_config(args)
+    base_url = f"http://127.0.0.1:{args.port}"
+    times = arrivals_s(args)
+    service = start_service(config, base_url, args.log, ready_timeout_s=900)
+    work = Path(tempfile.mkdtemp(prefix="bench-autoscale-"))
+    try:
+        import ray
+
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        poller = StatePoller(metrics_url()).start()
+        rows, load_t0 = run_load(base_url, times, args, work)
+        time.sleep(2 * WINDOW_S)
+        poller.stop()
+    finally:
+        stop_service(service)
+    result = {"gpu": gpu_name(), "gpus": args.gpus, "replica_gpus": args.replica_gpus,
+              "git_commit": git_commit(), "policy": POLICY,
+              "command": " ".join(["scripts/bench_autoscale", *sys.argv[1:]]),
+              "load": {k: getattr(args, k) for k in (
+                  "peak_streams", "low_streams", "ramp_up_s", "hold_s", "ramp_down_s", "low_s",
+                  "audio_seconds", "max_slots", "gpu_memory_gb", "upscale_delay_s",
+                  "downscale_delay_s")},
+              "served_config": config,
+              **summarize(rows, poller.samples, load_t0, poller.t0, args,
+                          args.log.read_text(errors="replace") if args.log.exists() else ""),
+              "raw_samples": poller.samples}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in result.items()
+                      if k not in ("replicas_timeline", "served_config", "raw_samples")}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
