@@ -353,7 +353,7 @@ def register_voices(base_url: str, count: int) -> dict[str, Any]:
     synthetic 5 s clips; their ids and how long each creation took (the clip's embedding)."""
     import soundfile
 
-    from serve_app.engines.minicpmo.synthetic import synthetic_voice_clip
+    from serve_app.engines.minicpmo.model.synthetic import synthetic_voice_clip
 
     ids, took_ms = [], []
     for index in range(count):

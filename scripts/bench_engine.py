@@ -53,15 +53,15 @@ sys.path.insert(0, str(ROOT))
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
-from serve_app.engines.minicpmo.layers import (  # noqa: E402
+from serve_app.engines.minicpmo.model.layers import (  # noqa: E402
     ONE_QUERY_KERNELS,
     SlotKVCache,
     StepInputs,
     causal_attend,
 )
-from serve_app.engines.minicpmo.quantization import QUANTIZATION_MODES, quantize_llm  # noqa: E402
+from serve_app.engines.minicpmo.model.quantization import QUANTIZATION_MODES, quantize_llm  # noqa: E402
 from scripts.roofline import GPUS, ModelSizes, roofline, tensor_bytes  # noqa: E402
-from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import (  # noqa: E402
     random_speech_model,
     synthetic_voice_clip,
 )
@@ -588,7 +588,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
     if args.checkpoint:
-        from serve_app.engines.minicpmo.loader import load_speech_model
+        from serve_app.engines.minicpmo.model.loader import load_speech_model
         model = load_speech_model(args.checkpoint, device=args.device, dtype=dtype,
                                   quantization=args.quantization, audio_encoder=args.voices > 0)
     else:

@@ -43,17 +43,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench_engine import git_commit  # noqa: E402
-from serve_app.engines.minicpmo.gptq import (  # noqa: E402
+from serve_app.engines.minicpmo.model.gptq import (  # noqa: E402
     GPTQConfig,
     dequantize_gptq_linear,
     gptq_int4_weight,
 )
-from serve_app.engines.minicpmo.quantization import (  # noqa: E402
+from serve_app.engines.minicpmo.model.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
     Int4Weight,
     gemlite_linear,
 )
-from serve_app.engines.minicpmo.synthetic import REAL_LLM_CONFIG  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import REAL_LLM_CONFIG  # noqa: E402
 
 HIDDEN = REAL_LLM_CONFIG["hidden_size"]
 INTERMEDIATE = REAL_LLM_CONFIG["intermediate_size"]

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
-from serve_app.engines.minicpmo.loader import load_speech_model  # noqa: E402
-from serve_app.engines.minicpmo.synthetic import (  # noqa: E402
+from serve_app.engines.minicpmo.model.loader import load_speech_model  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import (  # noqa: E402
     random_speech_model,
     synthetic_voice_clip,
 )

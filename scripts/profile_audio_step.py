@@ -27,12 +27,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serve_app.engines.minicpmo import layers  # noqa: E402
-from serve_app.engines.minicpmo.audio_step import AudioStepInputs, audio_window, key_count_buckets  # noqa: E402
-from serve_app.engines.minicpmo.graphs import capture_per_bucket  # noqa: E402
-from serve_app.engines.minicpmo.layers import SlotKVCache  # noqa: E402
+from serve_app.engines.minicpmo.model import layers  # noqa: E402
+from serve_app.engines.minicpmo.device.audio_step import AudioStepInputs, audio_window, key_count_buckets  # noqa: E402
+from serve_app.engines.minicpmo.device.graphs import capture_per_bucket  # noqa: E402
+from serve_app.engines.minicpmo.model.layers import SlotKVCache  # noqa: E402
 from serve_app.engines.minicpmo.speech_schedule import NEVER  # noqa: E402
-from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import random_speech_model  # noqa: E402
 
 
 def packed_rows(batch: int, args, num_vq: int, device) -> AudioStepInputs:

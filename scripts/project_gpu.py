@@ -44,8 +44,8 @@ TTFB_P99_LIMIT_MS = 500.0
 def full_size_sizes(tts_tokenizer: Path) -> ModelSizes:
     """The benchmark model's sizes (full-size random weights), built on the meta device; the
     DVAE + Vocos FLOPs are counted on a CPU copy."""
-    from serve_app.engines.minicpmo.codec import SpeechDecoder
-    from serve_app.engines.minicpmo.synthetic import random_speech_model
+    from serve_app.engines.minicpmo.model.codec import SpeechDecoder
+    from serve_app.engines.minicpmo.model.synthetic import random_speech_model
 
     model = random_speech_model(tts_tokenizer, "meta", torch.bfloat16)
     return ModelSizes.of(model, decoder_flops=decoder_flops_per_frame(SpeechDecoder().eval()))

@@ -33,14 +33,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_engine  # noqa: E402
-from serve_app.engines.minicpmo.quantization import (  # noqa: E402
+from serve_app.engines.minicpmo.model.quantization import (  # noqa: E402
     INT4_GROUP_SIZE,
     Int4Weight,
     int4_linear,
     quantize_linears,
     quantize_llm,
 )
-from serve_app.engines.minicpmo.synthetic import random_speech_model  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import random_speech_model  # noqa: E402
 
 
 def relative(value: torch.Tensor, reference: torch.Tensor) -> float:

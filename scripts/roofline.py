@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from serve_app.engines.minicpmo.quantization import INT4_GROUP_SIZE, is_int4_linear
+from serve_app.engines.minicpmo.model.quantization import INT4_GROUP_SIZE, is_int4_linear
 
 
 @dataclass(frozen=True)

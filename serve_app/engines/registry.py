@@ -11,7 +11,7 @@ from serve_app.engines.base import Engine
 
 
 def _piper(options: dict[str, Any]) -> Engine:
-    from serve_app.engines.piper_engine import PiperEngine
+    from serve_app.engines.piper.piper_engine import PiperEngine
 
     return PiperEngine.from_options(**options)
 

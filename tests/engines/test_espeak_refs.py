@@ -9,8 +9,8 @@ import tracemalloc
 import pytest
 from piper import espeakbridge
 
-from serve_app.engines import espeak_refs
-from serve_app.engines.piper_engine import PiperEngine
+from serve_app.engines.piper import espeak_refs
+from serve_app.engines.piper.piper_engine import PiperEngine
 
 TEXT = "Hello there, friend. This is a second sentence; and a third one!"
 

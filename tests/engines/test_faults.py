@@ -11,7 +11,7 @@ import pytest
 
 from serve_app.engines.base import EngineError, EngineOverloadedError, SpeechRequest
 from serve_app.engines.faults import CRASH_EXIT_CODE, FaultInjection
-from serve_app.engines.piper_engine import PiperEngine
+from serve_app.engines.piper.piper_engine import PiperEngine
 from serve_app.engines.registry import create_engine
 from tests.engines.streams import drain
 

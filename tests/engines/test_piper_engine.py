@@ -14,7 +14,7 @@ from serve_app.engines.base import (
     SpeechRequest,
     refuse_unsupported,
 )
-from serve_app.engines.piper_engine import PiperEngine
+from serve_app.engines.piper.piper_engine import PiperEngine
 from serve_app.engines.registry import create_engine
 
 TWO_SENTENCES = "Hello from the serving stack. This second sentence is a little longer."

@@ -10,7 +10,7 @@ import pytest
 from piper.config import SynthesisConfig
 
 from serve_app.engines.base import InvalidRequestError, RequestAbortedError, SpeechRequest
-from serve_app.engines.piper_engine import PiperEngine
+from serve_app.engines.piper.piper_engine import PiperEngine
 from serve_app.engines.registry import create_engine
 from serve_app.engines.streamed_text import MAX_CLAUSE_CHARS, complete_clauses
 from tests.engines.streams import (

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from serve_app.engines.registry import create_engine
 from tests.text_cases import ONCE_FAILED, SPEAKS, hostile_text
 

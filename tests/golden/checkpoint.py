@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serve_app.engines.minicpmo.synthetic import write_checkpoint
+from serve_app.engines.minicpmo.model.synthetic import write_checkpoint
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 

@@ -13,7 +13,7 @@ import torch
 
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from tests.serving.conftest import speak_word_by_word, wait_ready
 
 APP = "minicpmo-tiny"

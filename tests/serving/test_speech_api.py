@@ -13,7 +13,7 @@ import pytest
 
 from serve_app.audio import FORMATS, SAMPLE_RATES_HZ, check_format_rate, float_to_pcm16
 from serve_app.engines.base import SpeechRequest
-from serve_app.engines.piper_engine import PiperEngine
+from serve_app.engines.piper.piper_engine import PiperEngine
 from tests.audio.decoding import decode_audio
 from tests.serving.conftest import Server
 

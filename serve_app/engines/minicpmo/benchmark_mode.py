@@ -65,7 +65,7 @@ class BenchmarkMode:
         """Full-size random weights, built straight on ``device`` (with ``clip_encoder``, the
         Whisper-medium audio encoder and projection voice cloning needs too), the LLM's decoder
         layers quantized as they are built (``quantization``, an effective mode)."""
-        from .synthetic import random_speech_model
+        from .model.synthetic import random_speech_model
 
         return random_speech_model(Path(self.tts_tokenizer), device, dtype,
                                    clip_encoder=clip_encoder, quantization=quantization)

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .llm_step import LLMStepInputs
+from .device.llm_step import LLMStepInputs
 from .scheduler import Stream
 from .text import PIECE_TOKENS, TERMINATOR_TOKENS, TTS_EOS_MARK, PieceDecoder
 

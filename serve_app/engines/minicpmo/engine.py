@@ -31,18 +31,17 @@ from ..base import (
     SubmitsIterators,
 )
 from ..streamed_text import StreamedText
-from .audio_in import prepare_clip
 from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
-from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
-from .loader import LoadedModel, load_speech_model
+from .device.runner import create_runner
+from .model.audio_in import prepare_clip
+from .model.codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from .model.loader import LoadedModel, load_speech_model
+from .model.quantization import resolve_mode
 from .options import DECODE_DTYPES, EngineOptions, clones_voices
-from .quantization import resolve_mode
-from .runner import create_runner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
 from .step_loop import StepLoop, StepRecord
-from .voices import DEFAULT_VOICE, VoiceTable, VoiceTurn, check_voice_id, voice_turn
 from .text import (
     GENERATION_PROMPT,
     PIECE_TOKENS,
@@ -52,6 +51,7 @@ from .text import (
     has_speakable_text,
     user_turn,
 )
+from .voices import DEFAULT_VOICE, VoiceTable, VoiceTurn, check_voice_id, voice_turn
 
 __all__ = ["EngineOptions", "MiniCPMOEngine", "StreamPlan"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .codec import OVERLAP_SAMPLES
+from .model.codec import OVERLAP_SAMPLES
 
 
 class StreamingAudioJoiner:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers import ONE_QUERY_KERNELS
-from .loader import DEFAULT_MODEL_ID
-from .quantization import check_mode as check_quantization
+from .model.layers import ONE_QUERY_KERNELS
+from .model.loader import DEFAULT_MODEL_ID
+from .model.quantization import check_mode as check_quantization
 
 
 DECODE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

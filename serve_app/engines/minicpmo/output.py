@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from ..base import AudioChunk, Outbox
-from .codec import SAMPLE_RATE_HZ
+from .model.codec import SAMPLE_RATE_HZ
 from .scheduler import Stream
 from .speech_schedule import DecodeJob
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
-from .codec import CONTEXT_FRAMES
-from .modeling import TTSConfig
+from .model.codec import CONTEXT_FRAMES
+from .model.modeling import TTSConfig
 from .text import TTS_EOS_MARK, detect_language, has_speakable_text, sentence_end, spell_digits
 
 SEGMENT_TEXT_LIMIT_MARGIN = 180  # a new segment may start once L >= reserved - 180 (= 120)

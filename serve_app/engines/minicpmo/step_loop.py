@@ -30,17 +30,17 @@ import torch
 
 from ..base import EngineError, Outbox, RequestAbortedError
 from ..faults import FaultInjection, crash_process
-from .audio_step import AudioStepInputs
 from .chat import ChatText
-from .codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from .device.audio_step import AudioStepInputs
+from .device.runner import DecodedAudio, ModelRunner, pass_fits
+from .device.transfer import HostCopy
 from .joiner import StreamingAudioJoiner
-from .loader import LoadedModel
+from .model.codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from .model.loader import LoadedModel
 from .options import EngineOptions
 from .output import emit, join_decoded, send
-from .runner import DecodedAudio, ModelRunner, pass_fits
 from .scheduler import Scheduler, Stream
 from .speech_schedule import CarryPrefill, DecodeJob, Phase, SpeechSchedule, TextPrefill
-from .transfer import HostCopy
 from .voices import VoiceTable, prefix_length
 
 logger = logging.getLogger(__name__)

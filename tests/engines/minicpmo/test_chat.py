@@ -10,15 +10,15 @@ import torch
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.layers import SlotKVCache
-from serve_app.engines.minicpmo.llm_step import (
+from serve_app.engines.minicpmo.model.layers import SlotKVCache
+from serve_app.engines.minicpmo.device.llm_step import (
     LLMStepGraphs,
     LLMStepInputs,
     llm_decode_step,
     llm_key_spans,
     llm_prefill,
 )
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from serve_app.engines.minicpmo.text import PIECE_TOKENS, TTS_EOS_MARK, PieceDecoder
 
 ANSWER_TOKENS = 9

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from serve_app.engines.minicpmo.codec import (
+from serve_app.engines.minicpmo.model.codec import (
     CODEBOOK_SIZE,
     CONTEXT_FRAMES,
     OVERLAP_SAMPLES,

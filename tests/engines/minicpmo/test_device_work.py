@@ -10,7 +10,7 @@ import torch
 
 from serve_app.engines.base import LengthControls, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from tests.engines.minicpmo.tiny_engine import tiny_engine
 
 FRAMES = LengthControls(audio_frames=40)
@@ -108,7 +108,7 @@ def test_prefill_budgets_spread_admissions_over_passes(tiny_checkpoint) -> None:
     ``prefill_tokens`` padded tokens and ``prefill_prompts`` prompts: a budget of one token
     admits one stream a step (a pass each), two prompts a step two passes, the defaults all
     three in one pass; the speech and the chat answers are the same every way."""
-    from serve_app.engines.minicpmo.runner import fits_one_pass
+    from serve_app.engines.minicpmo.device.runner import fits_one_pass
 
     assert fits_one_pass([5, 7, 3], 21) and not fits_one_pass([5, 7, 3], 20)
     assert fits_one_pass([300], 8)  # one prompt always fits, however long

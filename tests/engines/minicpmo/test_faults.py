@@ -9,7 +9,7 @@ import torch
 
 from serve_app.engines.base import EngineError, LengthControls, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from tests.engines.streams import drain
 
 TEXT = "This sentence keeps the stream going for a few chunks. " * 3

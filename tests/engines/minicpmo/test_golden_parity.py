@@ -10,7 +10,7 @@ import torch
 
 from serve_app.engines.base import InvalidRequestError, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine, StreamPlan
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from tests.golden.checkpoint import load_expected, load_manifest
 from tests.engines.minicpmo.tiny_engine import tiny_engine
 
@@ -78,7 +78,7 @@ def test_speaker_hidden_state_matches_upstream(engine):
     ids = expected["prefill_ids"].tolist() + expected["gen_ids"].tolist()
     assert tok(GOLDEN_PROMPT, add_special_tokens=False)["input_ids"] == expected["prefill_ids"].tolist()
     assert engine._gen_prompt_ids == expected["gen_ids"].tolist()
-    from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend
+    from serve_app.engines.minicpmo.model.layers import SlotKVCache, StepInputs, causal_attend
 
     cache = SlotKVCache(engine.model.config.llm, 1, len(ids), torch.device("cpu"), torch.float32)
     positions = torch.arange(len(ids))[None]

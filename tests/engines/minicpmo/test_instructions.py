@@ -10,8 +10,8 @@ import torch
 
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.layers import SlotKVCache, StepInputs, causal_attend
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.layers import SlotKVCache, StepInputs, causal_attend
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 
 TEXT = "Hello there, this is read aloud."
 INSTRUCTIONS = "Speak slowly, in a warm and cheerful voice."

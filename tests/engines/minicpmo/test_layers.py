@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_app.engines.minicpmo.layers import (
+from serve_app.engines.minicpmo.model.layers import (
     flex_one_query_attention,
     one_query_attention,
     visible_blocks,
@@ -59,7 +59,7 @@ def test_flex_layers_share_one_block_mask_per_step():
     """The first layer that attends with flex builds the step's block mask and every layer
     reads it: a decoder step over a cache gives the SDPA step's output, leaves the mask in the
     step, and a step handed a mask that hides most keys attends through that mask instead."""
-    from serve_app.engines.minicpmo.layers import (
+    from serve_app.engines.minicpmo.model.layers import (
         DecoderShape,
         SlotDecoder,
         SlotKVCache,

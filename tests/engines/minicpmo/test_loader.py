@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from serve_app.engines.minicpmo.loader import (
+from serve_app.engines.minicpmo.model.loader import (
     AUDIO_IN_PREFIXES,
     SKIPPED_PREFIXES,
     iter_tensors,

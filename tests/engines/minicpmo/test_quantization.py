@@ -15,20 +15,20 @@ from safetensors.torch import save_file
 
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.gptq import (
+from serve_app.engines.minicpmo.model.gptq import (
     GPTQConfig,
     dequantize_gptq_linear,
     gptq_int4_weight,
     unpack_int4,
 )
-from serve_app.engines.minicpmo.layers import (
+from serve_app.engines.minicpmo.model.layers import (
     SlotKVCache,
     StepInputs,
     causal_attend,
     fuse_projections,
 )
-from serve_app.engines.minicpmo.loader import load_speech_model
-from serve_app.engines.minicpmo.quantization import (
+from serve_app.engines.minicpmo.model.loader import load_speech_model
+from serve_app.engines.minicpmo.model.quantization import (
     BucketedRowsLinear,
     CpuInt4Linear,
     Int4Weight,
@@ -240,7 +240,7 @@ def test_bucketed_rows_run_the_kernel_only_at_bucket_counts_and_cut_the_padding(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GemLite's int4 kernels run on CUDA")
 def test_int4_kernel_matches_its_dequantized_weight_on_cuda():
     pytest.importorskip("gemlite")
-    from serve_app.engines.minicpmo.quantization import gemlite_linear
+    from serve_app.engines.minicpmo.model.quantization import gemlite_linear
 
     weight = torch.randn(512, 1024, device="cuda") * 0.02
     int4 = Int4Weight.quantize(weight)

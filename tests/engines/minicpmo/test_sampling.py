@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.engines.minicpmo.llm_step import LLMStepInputs, sample_next_token
-from serve_app.engines.minicpmo.sampling import (
+from serve_app.engines.minicpmo.device.llm_step import LLMStepInputs, sample_next_token
+from serve_app.engines.minicpmo.device.sampling import (
     CANDIDATE_TOP_K,
     hashed_uniform,
     hashed_uniform_at,

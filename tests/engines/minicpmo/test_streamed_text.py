@@ -15,7 +15,7 @@ from serve_app.engines.base import (
     SpeechRequest,
 )
 from serve_app.engines.minicpmo.engine import MiniCPMOEngine, StreamPlan
-from serve_app.engines.minicpmo.modeling import TTSConfig
+from serve_app.engines.minicpmo.model.modeling import TTSConfig
 from serve_app.engines.minicpmo.speech_schedule import Phase, SpeechSchedule
 from serve_app.engines.streamed_text import clause_ends
 from tests.engines.minicpmo.tiny_engine import tiny_engine

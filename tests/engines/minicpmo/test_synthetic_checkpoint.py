@@ -5,7 +5,7 @@ import zlib
 import torch
 from safetensors import safe_open
 
-from serve_app.engines.minicpmo.synthetic import synthetic_tensor
+from serve_app.engines.minicpmo.model.synthetic import synthetic_tensor
 from tests.golden.checkpoint import load_manifest
 
 

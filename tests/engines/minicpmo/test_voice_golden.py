@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from serve_app.engines.base import SpeechRequest
-from serve_app.engines.minicpmo.audio_in import chunk_attention
+from serve_app.engines.minicpmo.model.audio_in import chunk_attention
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine, StreamPlan
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 from serve_app.engines.minicpmo.voices import VoiceTurn, placeholder_chunks
 from tests.engines.minicpmo.test_golden_parity import (
     collect,

@@ -21,8 +21,8 @@ from serve_app.engines.base import (
     SpeechRequest,
 )
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.loader import load_speech_model
-from serve_app.engines.minicpmo.synthetic import synthetic_voice_clip
+from serve_app.engines.minicpmo.model.loader import load_speech_model
+from serve_app.engines.minicpmo.model.synthetic import synthetic_voice_clip
 from serve_app.engines.minicpmo.text import PIECE_TOKENS, TTS_EOS_MARK, PieceDecoder
 from tests.engines.streams import drain
 
@@ -291,7 +291,7 @@ def test_prefill_graph_buffers_give_the_eager_prefill_with_voice_turns(engine):
     """The CUDA-graph admission prefill's bookkeeping (buckets, static buffers, each row's voice
     turn copied in, stale rows from a longer earlier prefill) checked on the CPU: each bucket's
     forward replays eagerly into its static output, as a captured graph would."""
-    from serve_app.engines.minicpmo.llm_step import LLMPrefillGraphs
+    from serve_app.engines.minicpmo.device.llm_step import LLMPrefillGraphs
 
     model = engine.model
     graphs = LLMPrefillGraphs(model.llm, model.config.llm, torch.device("cpu"), torch.float32,

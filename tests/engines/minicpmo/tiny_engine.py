@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.loader import load_speech_model
+from serve_app.engines.minicpmo.model.loader import load_speech_model
 
 
 def tiny_engine(checkpoint, max_slots: int, max_chat_slots: int) -> MiniCPMOEngine:

@@ -16,6 +16,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..model.codec import CONTEXT_FRAMES
+from ..model.layers import (
+    FLEX_KEY_BLOCK,
+    SlotKVCache,
+    StepInputs,
+    fuse_projections,
+    set_one_query_attention,
+)
+from ..model.loader import LoadedModel
+from ..model.quantization import warm_up_int4_kernels
+from ..options import EngineOptions, clones_voices
+from ..speech_schedule import TextPrefill
+from ..voices import VoicePrefix, VoiceTurn, prefix_length
 from .audio_step import (
     LONG_PREFILL_TOKENS,
     PREFILL_TOKENS,
@@ -28,15 +41,7 @@ from .audio_step import (
     key_count_buckets,
     text_prefill_step,
 )
-from .codec import CONTEXT_FRAMES
 from .decode_graphs import MultiLengthDecodeGraphs
-from .layers import (
-    FLEX_KEY_BLOCK,
-    SlotKVCache,
-    StepInputs,
-    fuse_projections,
-    set_one_query_attention,
-)
 from .llm_step import (
     LLMPrefillGraphs,
     LLMStepGraphs,
@@ -46,12 +51,7 @@ from .llm_step import (
     sample_next_token,
     write_prefixes,
 )
-from .loader import LoadedModel
-from .options import EngineOptions, clones_voices
-from .quantization import warm_up_int4_kernels
-from .speech_schedule import TextPrefill
 from .transfer import HostCopy, device_tensor, to_device
-from .voices import VoicePrefix, VoiceTurn, prefix_length
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..base import MAX_CLIP_RATE_HZ, MAX_CLIP_S, MIN_CLIP_RATE_HZ, MIN_CLIP_S, InvalidRequestError
+from ...base import MAX_CLIP_RATE_HZ, MAX_CLIP_S, MIN_CLIP_RATE_HZ, MIN_CLIP_S, InvalidRequestError
 from .modeling import AudioInConfig, Projector, pooled_frames
 
 SAMPLE_RATE_HZ = 16_000  # the encoder's rate

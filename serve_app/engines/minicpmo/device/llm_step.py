@@ -14,17 +14,17 @@ from typing import Sequence
 
 import torch
 
+from ..model.layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
+from ..model.modeling import QwenLM
+from ..voices import VoicePrefix
 from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream, shortest_span
-from .layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
-from .transfer import HostCopy, device_tensor, to_device
-from .modeling import QwenLM
-from .voices import VoicePrefix
 from .sampling import (
     CANDIDATE_TOP_K,
     apply_repetition_penalty,
     sample_candidates,
     sample_full_vocabulary,
 )
+from .transfer import HostCopy, device_tensor, to_device
 
 SAMPLING_PATHS = ("auto", "full", "candidates")
 # The decode graphs sample from candidates from this many rows up: for one row the full path's

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
+from ..model.layers import SlotKVCache, StepInputs, causal_attend
+from ..model.modeling import SpeechTokenModel, TTSConfig
 from .graphs import bucket_sizes, capture_per_bucket, shortest_span
-from .layers import SlotKVCache, StepInputs, causal_attend
-from .modeling import SpeechTokenModel, TTSConfig
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
 from .transfer import HostCopy, to_device
 
 if TYPE_CHECKING:
-    from .speech_schedule import AudioStep
+    from ..speech_schedule import AudioStep
 
 TTS_TEMPERATURE = (0.1, 0.3, 0.1, 0.3)
 TTS_MIN_KEEP = 3

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from vector_quantize_pytorch import GroupedResidualFSQ
 
-from .transfer import to_device
+from ..device.transfer import to_device
 
 SAMPLE_RATE_HZ = 24_000
 NUM_MEL_BINS = 100

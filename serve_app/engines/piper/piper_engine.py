@@ -58,9 +58,9 @@ from serve_app.engines.base import (
     WithoutVoiceCloning,
     deliver_to,
 )
-from serve_app.engines.espeak_refs import release_leaked_clause_refs
+from serve_app.engines.piper.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
-from serve_app.engines.piper_voice import load_voice, phoneme_pieces, synthesize_batch
+from serve_app.engines.piper.piper_voice import load_voice, phoneme_pieces, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 from serve_app.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .codec import NUM_CODEBOOKS, SpeechDecoder
+from ..model.codec import NUM_CODEBOOKS, SpeechDecoder
 from .graphs import bucket_sizes, capture_per_bucket
 from .transfer import to_device
 
