@@ -14,6 +14,7 @@ import logging
 from typing import Any, AsyncIterator
 
 from serve_app.errors import ApiError
+from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, StreamUsage
 from serve_app.metrics import IngressMetrics
 
@@ -69,6 +70,8 @@ async def sse_body(first: Any, pieces: AsyncIterator[Any], upstream: Any, reques
             except StopAsyncIteration:
                 break
             except Exception as exc:  # a cut stream (timeout, dead replica): say so, then end
+                if is_cancellation(exc):  # the client left
+                    raise as_cancellation(exc) from exc
                 logger.error("stream %s failed mid-way (%s)", request_id, type(exc).__name__)
                 metrics.error("stream_cut", "mid_stream")
                 yield sse_message(error_event("speech synthesis failed mid-way", "stream_cut"))

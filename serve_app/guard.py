@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve_app import errors
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
-from serve_app.hops import StreamTimeout
+from serve_app.hops import StreamTimeout, as_cancellation, is_cancellation
 from serve_app.voices import SHARED_OWNER, owner_of_key
 
 logger = logging.getLogger("serve_app.requests")
@@ -177,7 +177,7 @@ class RequestRecord:
         self.error_code = error.code
 
     def failed(self, exc: BaseException) -> None:
-        if isinstance(exc, (asyncio.CancelledError, OSError, ClientDisconnect)):
+        if is_cancellation(exc) or isinstance(exc, (OSError, ClientDisconnect)):
             self.outcome = "disconnected"
         else:
             self.outcome = "timeout" if isinstance(exc, StreamTimeout) else "failed"
@@ -256,6 +256,14 @@ class RequestGuard:
                                 send)
         except BaseException as exc:
             record.failed(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            if is_cancellation(exc) or isinstance(exc, ClientDisconnect):
+                # A hang-up, in whatever form it surfaced (Ray's TaskCancelledError through the
+                # body or the replayed receive, Starlette's ClientDisconnect): raised on as the
+                # cancellation it is, so that neither FastAPI's catch-all handler (a 500,
+                # counted) nor Serve (an ERROR "unexpected error") takes it for a server fault.
+                raise as_cancellation(exc) from exc
             raise
         finally:
             record.log()

@@ -1,8 +1,15 @@
-"""What every hop (synthesizer, encoder, ingress) does with the stream it relays: wait for each
-item within a time limit, and say which limit was missed.
+"""What every hop (synthesizer, ingress) does with the stream it relays: wait for each item
+within a time limit, say which limit was missed, and tell a hang-up from a failure.
 
 Each hop waits :data:`HOP_MARGIN_S` longer than the one below it, so the innermost timeout fires
 first and names the real cause.
+
+A client that leaves cancels its request, and Serve cancels the calls that request made: the
+cancellation then surfaces as ``asyncio.CancelledError`` or as Ray's own ``TaskCancelledError``
+(Serve's ``RequestCancelledError`` is one), depending on where the hop was waiting.
+:func:`is_cancellation` tells them apart from failures; a hop raises them on as
+``asyncio.CancelledError`` (:func:`as_cancellation`), so that nothing above counts a hang-up as a
+server error.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import asyncio
 import time
 from typing import AsyncIterator, TypeVar
 
+from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 
 from serve_app import errors
@@ -19,6 +27,21 @@ from serve_app.errors import ApiError
 Item = TypeVar("Item")
 
 HOP_MARGIN_S = 5.0
+CANCELLATIONS = (asyncio.CancelledError, TaskCancelledError)
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """``exc`` says the request was cancelled (its client left), not that something failed; a
+    group of exceptions (a task group's) when each of them says so."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_cancellation(inner) for inner in exc.exceptions)
+    return isinstance(exc, CANCELLATIONS)
+
+
+def as_cancellation(exc: BaseException) -> asyncio.CancelledError:
+    """The ``asyncio.CancelledError`` to raise (``from exc``) for a hang-up that surfaced as
+    another exception."""
+    return asyncio.CancelledError(f"{type(exc).__name__}: {exc}")
 
 
 class StreamTimeout(TimeoutError):
@@ -39,6 +62,12 @@ async def within(items: AsyncIterator[Item], first_timeout_s: float, next_timeou
 
     Errors of ``items`` pass through. Closing this iterator does not close ``items``: the hop
     that owns the upstream stream cancels it (and so frees the engine slot) itself.
+
+    Each item is awaited in the caller's own task (``asyncio.timeout``, not ``wait_for``, which
+    on Python 3.11 runs it in a task of its own): a cancellation reaches ``items`` directly, and
+    whatever ``items`` raises then is raised here, never left in a task nobody reads ("Task
+    exception was never retrieved", as Serve's stream raises ``RequestCancelledError`` when
+    cancelled).
     """
     started_s = time.monotonic()
     timeout_s = first_timeout_s
@@ -50,11 +79,15 @@ async def within(items: AsyncIterator[Item], first_timeout_s: float, next_timeou
                 raise StreamTimeout(max_total_s, deadline=True)
             if remaining_s < timeout_s:
                 timeout_s, deadline = remaining_s, True
+        limit = asyncio.timeout(timeout_s)
         try:
-            item = await asyncio.wait_for(anext(items), timeout_s)
+            async with limit:
+                item = await anext(items)
         except StopAsyncIteration:
             return
         except TimeoutError:
+            if not limit.expired():
+                raise  # raised by items itself
             raise StreamTimeout(max_total_s if deadline else timeout_s, deadline) from None
         yield item
         timeout_s = next_timeout_s

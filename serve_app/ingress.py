@@ -39,6 +39,7 @@ from serve_app.guard import (
     json_error,
 )
 from serve_app.events import SSE_MEDIA_TYPE, sse_body
+from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
 from serve_app.metrics import EncoderMetrics, IngressMetrics
@@ -141,6 +142,8 @@ async def _body(first: bytes, pieces: AsyncIterator[bytes | ApiError],
             yield piece
         finished = True
     except Exception as exc:
+        if is_cancellation(exc):  # the client left
+            raise as_cancellation(exc) from exc
         logger.error("request %s: stream cut: %s", request_id, exc)
         raise
     finally:

@@ -34,6 +34,7 @@ from serve_app.engines.base import SpeechRequest
 from serve_app.errors import ApiError
 from serve_app.events import chunk_fields, error_event, stream_error_event
 from serve_app.guard import KeyRing, StreamAdmission
+from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.routing import PIN_KEYWORD
 from serve_app.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
@@ -249,6 +250,8 @@ class SpeechSession:
         try:
             refused = await asyncio.wait_for(call, self.api.handle_timeout_s)
         except Exception as exc:
+            if is_cancellation(exc):  # the session is ending: Serve cancelled the call
+                raise as_cancellation(exc) from exc
             logger.error("session %s: text not delivered (%s)", self.request_id,
                          type(exc).__name__)
             raise SessionEnd(error_event("the speech stream is gone", "stream_lost",
@@ -268,9 +271,11 @@ class SpeechSession:
                     raise SessionEnd({"type": "response.done", "usage": item.as_dict()})
                 elif isinstance(item, ApiError):
                     raise SessionEnd(stream_error_event(item), CLOSE_ERROR)
-        except SessionEnd:
+        except (SessionEnd, WebSocketDisconnect):  # ended, or the client left while we sent
             raise
         except Exception as exc:  # a cut stream: timeout, total limit, dead replica
+            if is_cancellation(exc):  # the session is ending
+                raise as_cancellation(exc) from exc
             logger.error("session %s: stream cut (%s)", self.request_id, type(exc).__name__)
             raise SessionEnd(error_event(str(exc) or "speech synthesis failed", "stream_cut"),
                              CLOSE_ERROR) from None
@@ -303,11 +308,8 @@ class SpeechSession:
             await self.relay(pieces)
         except SessionEnd as end:
             close_code = end.close_code
-            if end.event is not None:
-                try:
-                    await self.send(end.event)
-                except (WebSocketDisconnect, RuntimeError):  # the client left meanwhile
-                    close_code = None
+            if end.event is not None and not await self.send_last(end.event):
+                close_code = None
         except WebSocketDisconnect:
             close_code = None
         finally:
@@ -317,18 +319,40 @@ class SpeechSession:
                 self.metrics.stream_ended()
                 self.admission.release(self.key)
         if close_code is not None:
-            await self.socket.close(close_code)
+            await self.send_last(None, close_code)
+
+    async def send_last(self, event: dict[str, Any] | None,
+                        close_code: int | None = None) -> bool:
+        """The session's last event, or its close; False when the client has already left (a
+        ``cancel`` followed at once by a close, say): its choice, logged at INFO."""
+        try:
+            if close_code is None:
+                await self.send(event)
+            else:
+                await self.socket.close(close_code)
+        except Exception as exc:  # the socket is gone: whatever the server layer raises
+            logger.info("session %s: the client left before the %s (%s)", self.request_id,
+                        "close" if event is None else repr(event.get("type")),
+                        type(exc).__name__)
+            return False
+        return True
 
     async def relay(self, pieces: Any) -> None:
-        """Text in and audio out at once; whichever ends the session first stops the other."""
+        """Text in and audio out at once; whichever ends the session first stops the other.
+
+        The other is cancelled and awaited before this returns, so whatever it raised on its way
+        out (a cancelled Serve call raises its own exception) is read here, never left to
+        asyncio's "Task exception was never retrieved"."""
         tasks = [asyncio.create_task(self.read_text()), asyncio.create_task(self.write_audio(pieces))]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
-        for task in done:
-            task.result()  # raises the SessionEnd (or disconnect) that ended the session
+            ended = await asyncio.gather(*tasks, return_exceptions=True)
+        for task, outcome in zip(tasks, ended):
+            if task in done and isinstance(outcome, BaseException):
+                raise outcome  # the SessionEnd (or disconnect) that ended the session
 
 
 @router.websocket(ROUTE)
@@ -340,6 +364,8 @@ async def speech_socket(socket: WebSocket) -> None:
         await session.run()
     except WebSocketDisconnect:
         pass
-    except Exception:
+    except Exception as exc:
+        if is_cancellation(exc):  # the client left
+            raise as_cancellation(exc) from exc
         logger.exception("session %s failed", session.request_id)
-        await socket.close(CLOSE_ERROR)
+        await session.send_last(None, CLOSE_ERROR)

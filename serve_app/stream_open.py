@@ -9,7 +9,9 @@ GPU replica, and the GPU replica never spends time on codecs.
 The first item decides the outcome: an :class:`~serve_app.errors.ApiError` (refused or failed
 before any audio) is raised, so the caller can still answer with the right status; anything else
 is returned with the rest of the stream, each engine chunk within its timeout
-(:mod:`serve_app.hops`). The first chunk is encoded and handed on the moment it arrives.
+(:mod:`serve_app.hops`). The first chunk is encoded and handed on the moment it arrives. A
+cancelled stream (the client left) raises ``asyncio.CancelledError``, whatever form Ray gave the
+cancellation, so a hang-up never reads as a failed synthesizer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from serve_app.audio import StreamEncoder
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
-from serve_app.hops import HOP_MARGIN_S, relay_error, within
+from serve_app.hops import HOP_MARGIN_S, as_cancellation, is_cancellation, relay_error, within
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.metrics import EncoderMetrics
 
@@ -96,4 +98,6 @@ async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMe
             yield usage
         metrics.stream_finished(job.audio_format, audio_s, time.perf_counter() - started_s)
     except Exception as exc:
+        if is_cancellation(exc):  # the client left: Serve cancelled the synthesizer call
+            raise as_cancellation(exc) from exc
         yield relay_error(job.request.request_id, "the synthesizer", exc)
