@@ -9,14 +9,14 @@ first byte ever runs dry; as a burst and as Poisson arrivals that hold that many
 active. ``--baseline sequential-eager`` adds the upstream way in the same run: one request at a
 time, no batching. Results go to ``docs/benchmarks/engine-<gpu>.json`` and a PNG.
 
-Example: python scripts/bench_engine.py --modes read chat --concurrency 1 8 32 64 128 256
+Example: python -m scripts.bench_engine --modes read chat --concurrency 1 8 32 64 128 256
 
 ``--quantization int4|int8`` quantizes the LLM (torchao, the ``quant`` extra) before measuring.
 ``--compare-quantization`` measures bf16 and then the quantized LLM on the same random weights
 in one run: peak GPU memory with 32 concurrent streams, single-stream TTFB, real-time streams
 over ``--concurrency`` (``--arrivals``), and the relative error of the quantized logits; it writes
 ``docs/benchmarks/<quantization>-<gpu>.json``.
-Example: python scripts/bench_engine.py --compare-quantization --quantization int4 \
+Example: python -m scripts.bench_engine --compare-quantization --quantization int4 \
     --concurrency 1 8 16 32 64 --arrivals burst --audio-seconds 10
 
 ``--voices N`` registers N cloned voices from synthetic 5 s clips (``embed_voice`` +
@@ -26,7 +26,7 @@ has per level TTFB in cloned voices (``voices`` in each sweep row), the registra
 CPU with the tests' tiny voice checkpoint (a quick check of the path, not a measurement):
     python -c "from pathlib import Path; from tests.golden_voice.checkpoint import \
         build_voice_checkpoint as b; b(Path('/tmp/tiny-voice'))"
-    python scripts/bench_engine.py --device cpu --dtype float32 --checkpoint /tmp/tiny-voice \
+    python -m scripts.bench_engine --device cpu --dtype float32 --checkpoint /tmp/tiny-voice \
         --modes read chat --concurrency 1 4 --arrivals burst --audio-seconds 1 --chat-tokens 6 \
         --baseline none --voices 3 --out /tmp/bench-voices.json
 """
@@ -48,23 +48,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
-from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
-from serve_app.engines.minicpmo.model.layers import (  # noqa: E402
+from scripts.roofline import GPUS, ModelSizes, roofline, tensor_bytes
+from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
+from serve_app.engines.minicpmo.model.layers import (
     ONE_QUERY_KERNELS,
     SlotKVCache,
     StepInputs,
     causal_attend,
 )
-from serve_app.engines.minicpmo.model.quantization import QUANTIZATION_MODES, quantize_llm  # noqa: E402
-from scripts.roofline import GPUS, ModelSizes, roofline, tensor_bytes  # noqa: E402
-from serve_app.engines.minicpmo.model.synthetic import (  # noqa: E402
+from serve_app.engines.minicpmo.model.quantization import QUANTIZATION_MODES, quantize_llm
+from serve_app.engines.minicpmo.model.synthetic import (
     random_speech_model,
     synthetic_voice_clip,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLE_RATE = 24_000
 FRAMES_PER_SECOND = 46.875

@@ -23,7 +23,7 @@ random codes) into the int4 kernel's weights: straight from the codes, scales an
 (``gptq_int4_weight``) or through a dense bf16 weight quantized again, and how far each lands
 from the checkpoint's own weight. Reading the files is not included.
 
-Example (GPU): python scripts/bench_int4_kernels.py --out docs/benchmarks/int4-kernels-h100.json
+Example (GPU): python -m scripts.bench_int4_kernels --out docs/benchmarks/int4-kernels-h100.json
 """
 
 from __future__ import annotations
@@ -39,21 +39,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from scripts.bench_engine import git_commit  # noqa: E402
-from serve_app.engines.minicpmo.model.gptq import (  # noqa: E402
+from scripts.bench_engine import git_commit
+from serve_app.engines.minicpmo.model.gptq import (
     GPTQConfig,
     dequantize_gptq_linear,
     gptq_int4_weight,
 )
-from serve_app.engines.minicpmo.model.quantization import (  # noqa: E402
+from serve_app.engines.minicpmo.model.quantization import (
     INT4_GROUP_SIZE,
     Int4Weight,
     gemlite_linear,
 )
-from serve_app.engines.minicpmo.model.synthetic import REAL_LLM_CONFIG  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import REAL_LLM_CONFIG
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HIDDEN = REAL_LLM_CONFIG["hidden_size"]
 INTERMEDIATE = REAL_LLM_CONFIG["intermediate_size"]

@@ -17,23 +17,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest  # noqa: E402
-from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine  # noqa: E402
-from serve_app.engines.minicpmo.model.loader import load_speech_model  # noqa: E402
-from serve_app.engines.minicpmo.model.synthetic import (  # noqa: E402
+from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
+from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
+from serve_app.engines.minicpmo.model.loader import load_speech_model
+from serve_app.engines.minicpmo.model.synthetic import (
     random_speech_model,
     synthetic_voice_clip,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TEXTS = ["The quick brown fox jumps over the lazy dog near the quiet river bank.",
          "Streaming speech synthesis turns text into audio while the text is still arriving.",

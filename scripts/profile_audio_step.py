@@ -11,7 +11,7 @@ eager frame at the smallest and largest batch with ``torch.profiler`` and lists 
 that take the most GPU time. The difference between these numbers and the engine's
 milliseconds per step (``scripts/bench_engine.py``) is what the step loop adds.
 
-Example: python scripts/profile_audio_step.py --batches 1 64 128 256 512 --steps 5
+Example: python -m scripts.profile_audio_step --batches 1 64 128 256 512 --steps 5
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from serve_app.engines.minicpmo.device.audio_step import (
+    AudioStepInputs,
+    audio_window,
+    key_count_buckets,
+)
+from serve_app.engines.minicpmo.device.graphs import capture_per_bucket
+from serve_app.engines.minicpmo.model import layers
+from serve_app.engines.minicpmo.model.layers import SlotKVCache
+from serve_app.engines.minicpmo.model.synthetic import random_speech_model
+from serve_app.engines.minicpmo.speech_schedule import NEVER
 
-from serve_app.engines.minicpmo.model import layers  # noqa: E402
-from serve_app.engines.minicpmo.device.audio_step import AudioStepInputs, audio_window, key_count_buckets  # noqa: E402
-from serve_app.engines.minicpmo.device.graphs import capture_per_bucket  # noqa: E402
-from serve_app.engines.minicpmo.model.layers import SlotKVCache  # noqa: E402
-from serve_app.engines.minicpmo.speech_schedule import NEVER  # noqa: E402
-from serve_app.engines.minicpmo.model.synthetic import random_speech_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def packed_rows(batch: int, args, num_vq: int, device) -> AudioStepInputs:

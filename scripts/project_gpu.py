@@ -17,7 +17,7 @@ grows with the step: the measured run's p99 TTFB over its step time at the level
 projected p99 TTFB. ``max_realtime_streams`` interpolates (and below the lowest level,
 extrapolates) the step time linearly in the streams held.
 
-Example: python scripts/project_gpu.py docs/benchmarks/history/engine-h100-roofline.json --target a10g \\
+Example: python -m scripts.project_gpu docs/benchmarks/history/engine-h100-roofline.json --target a10g \\
     --int4-llm --out docs/benchmarks/a10g-projection.json
 """
 
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from scripts.roofline import GPUS, ModelSizes, decoder_flops_per_frame, project
 
-from scripts.roofline import GPUS, ModelSizes, decoder_flops_per_frame, project  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FRAMES_PER_S = 46.875  # 24 kHz audio, 512 samples per code frame
 STEPS_PER_SYNC = 5

@@ -11,7 +11,7 @@ It does so for the default random init (std 0.02 everywhere) and for a depth-sca
 Poisson-arrival engine runs at ``--poisson-concurrency`` for bf16 and the quantized LLM.
 Writes JSON to ``--out``.
 
-Example: python scripts/quant_accuracy.py --quantization int4 --poisson-concurrency 32 \\
+Example: python -m scripts.quant_accuracy --quantization int4 --poisson-concurrency 32 \\
     --out docs/benchmarks/int4-accuracy-h100.json
 """
 
@@ -28,19 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_engine  # noqa: E402
-from serve_app.engines.minicpmo.model.quantization import (  # noqa: E402
+from scripts import bench_engine
+from serve_app.engines.minicpmo.model.quantization import (
     INT4_GROUP_SIZE,
     Int4Weight,
     int4_linear,
     quantize_linears,
     quantize_llm,
 )
-from serve_app.engines.minicpmo.model.synthetic import random_speech_model  # noqa: E402
+from serve_app.engines.minicpmo.model.synthetic import random_speech_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def relative(value: torch.Tensor, reference: torch.Tensor) -> float:
