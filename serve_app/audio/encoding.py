@@ -8,15 +8,21 @@ one valid file of the asked format.
 - ``pcm``: signed 16-bit little-endian mono, no header.
 - ``wav``: a 44-byte PCM header whose RIFF and data sizes are 0xFFFFFFFF (length unknown while
   streaming; players and libsndfile read to the end of the data), then 16-bit samples.
-- ``flac``, ``mp3``, ``opus``: libsndfile (through ``soundfile``) writing into a ``BytesIO``; the
-  bytes appended since the last call are returned. Codecs buffer whole frames/pages, so a call may
-  return nothing; :meth:`StreamEncoder.finish` flushes them. FLAC's STREAMINFO says "length
-  unknown" and MP3 is constant bitrate with no Xing/Info length tag (both are fixed at close,
-  after those bytes have left), so decoders read to the end of the stream. FFmpeg, libFLAC and
-  browsers read such a FLAC; libsndfile takes the unknown length for ``SF_COUNT_MAX`` frames, so
-  ``soundfile.read``/``soundfile.blocks`` cannot (:func:`serve_app.audio.decoding.read_stream`
-  can). Only a header sent after the last sample could fix that, which streaming rules out
-  (tests/audio/test_readers.py).
+- ``mp3``, ``opus``: libsndfile (through ``soundfile``) writing into a ``BytesIO``; the bytes
+  appended since the last call are returned. Codecs buffer whole frames/pages, so a call may
+  return nothing; :meth:`StreamEncoder.finish` flushes them. MP3 is constant bitrate with no
+  Xing/Info length tag (fixed at close, after those bytes have left), so decoders read to the
+  end of the stream.
+- ``flac`` is sent whole; for streaming pick pcm, wav, mp3 or opus. libsndfile cannot open a
+  FLAC whose STREAMINFO says ``total_samples`` = 0 ("unknown", which a FLAC sent as it is
+  encoded must say: its header leaves before the length is known): it takes that for
+  ``SF_COUNT_MAX`` frames, so ``soundfile.read`` fails ("array is too big") and
+  ``soundfile.blocks`` fails to seek, while nothing else in the header trips it
+  (tests/audio/test_readers.py). So :meth:`StreamEncoder.encode` returns nothing for flac and
+  :meth:`StreamEncoder.finish` returns the whole file, its header rewritten by libsndfile at
+  close with the true ``total_samples`` (and MD5): every reader opens it (soundfile whole and
+  in blocks, FFmpeg/PyAV, libFLAC, browsers), and an HTTP body in flac starts when synthesis
+  ends.
 - Opus only runs at 8, 12, 16, 24 or 48 kHz: other rates are rejected (see
   :func:`check_format_rate`) rather than silently changed.
 """
@@ -141,8 +147,13 @@ class StreamEncoder:
             pcm = self._resampler.resample_chunk(pcm, last=False)
         return self._write(pcm)
 
+    @property
+    def held(self) -> bool:
+        """The format is sent whole (flac): nothing before :meth:`finish`, then the file."""
+        return self.audio_format == "flac"
+
     def finish(self) -> bytes:
-        """Flush resampler and codec; returns the stream's last bytes."""
+        """Flush resampler and codec; returns the stream's last bytes (flac: the whole file)."""
         if self._finished:
             return b""
         tail = np.zeros(0, dtype=np.float32)
@@ -154,7 +165,7 @@ class StreamEncoder:
         data = self._write(tail)
         self._finished = True
         if self._file is not None:
-            self._file.close()
+            self._file.close()  # flac: STREAMINFO rewritten with the true length
             data += self._take_new_bytes()
         return data
 
@@ -168,7 +179,7 @@ class StreamEncoder:
             return prefix + float_to_pcm16(pcm).tobytes()
         if len(pcm):
             self._file.write(pcm)
-        return self._take_new_bytes()
+        return b"" if self.held else self._take_new_bytes()
 
     def _take_new_bytes(self) -> bytes:
         assert self._buffer is not None

@@ -3,14 +3,11 @@
 Real encoder, real decoders: soundfile (libsndfile) reading the whole file and in blocks, and
 PyAV (FFmpeg). ``pcm`` has no header, so both read it as raw signed 16-bit mono.
 
-FLAC: the stream's STREAMINFO leaves ``total_samples`` at 0 ("unknown"), since the header leaves
-before the length is known. That is legal FLAC and FFmpeg, libFLAC and browsers read it, but
-libsndfile turns an unknown length into ``SF_COUNT_MAX`` frames (src/flac.c,
-``sf_flac_meta_callback``), and soundfile sizes ``read()`` from that count and seeks after every
-block, so ``sf.read`` and ``sf.blocks`` cannot read it. Those two cases are strict xfails: one
-passing means the stream's header changed, and this file should say why. What is pinned here is
-that nothing else in the header trips libsndfile: with the true length written in, the same bytes
-read whole and in blocks.
+FLAC is sent whole (serve_app/audio/encoding.py): a FLAC sent as it was encoded had to leave
+STREAMINFO's ``total_samples`` at 0 ("unknown"), which libsndfile takes for ``SF_COUNT_MAX``
+frames, so ``sf.read`` and ``sf.blocks`` could not read it (nothing else in the header tripped
+it). The encoder now holds the file until ``finish()`` and sends it with the true length in its
+header, so every reader here opens it.
 """
 
 from __future__ import annotations
@@ -38,11 +35,6 @@ EXPECTED_FRAMES = int(SECONDS * OUTPUT_RATE_HZ)
 CHUNK_SIZES = (1000, 7000, 333, 12000, 1717)
 # MP3 keeps the encoder delay and the last frame's padding (no gapless tag in a stream).
 MP3_SLACK_FRAMES = 3 * 1152
-
-FLAC_SOUNDFILE_XFAIL = pytest.mark.xfail(
-    strict=True, raises=(ValueError, sf.LibsndfileError),
-    reason="streamed FLAC has total_samples=0 (unknown); libsndfile reports SF_COUNT_MAX frames")
-
 
 def _signal() -> np.ndarray:
     t = np.arange(int(SECONDS * INPUT_RATE_HZ)) / INPUT_RATE_HZ
@@ -86,18 +78,14 @@ def _check_length(audio_format: str, frames: int, rate: int) -> None:
         assert abs(frames - expected) <= 2 * rate // OUTPUT_RATE_HZ
 
 
-def _soundfile_params() -> list:
-    return [pytest.param(f, marks=FLAC_SOUNDFILE_XFAIL) if f == "flac" else f for f in FORMATS]
-
-
-@pytest.mark.parametrize("audio_format", _soundfile_params())
+@pytest.mark.parametrize("audio_format", FORMATS)
 def test_soundfile_reads_the_whole_stream(saved: dict[str, Path], audio_format: str) -> None:
     samples, rate = sf.read(saved[audio_format], dtype="float32", **_raw_args(audio_format))
     _check_length(audio_format, len(samples), rate)
     assert np.sqrt(np.mean(samples ** 2)) > 0.1
 
 
-@pytest.mark.parametrize("audio_format", _soundfile_params())
+@pytest.mark.parametrize("audio_format", FORMATS)
 def test_soundfile_reads_the_stream_in_blocks(saved: dict[str, Path], audio_format: str) -> None:
     with sf.SoundFile(saved[audio_format], **_raw_args(audio_format)) as handle:
         rate = handle.samplerate
@@ -117,30 +105,22 @@ def test_pyav_reads_the_stream(saved: dict[str, Path], audio_format: str) -> Non
     _check_length(audio_format, sum(frame.samples for frame in frames), rate)
 
 
-def _with_total_samples(flac: bytes, total: int) -> bytes:
-    """The same FLAC bytes with STREAMINFO's 36-bit total_samples set."""
+def _total_samples(flac: bytes) -> int:
+    """STREAMINFO's 36-bit total_samples (0: unknown)."""
     assert flac[:4] == b"fLaC" and flac[4] & 0x7F == 0  # STREAMINFO is the first block
-    field = slice(8 + 10, 8 + 18)  # sample rate(20) channels(3) bits(5) total_samples(36)
-    bits = int.from_bytes(flac[field], "big")
-    bits = (bits & ~((1 << 36) - 1)) | total
-    return flac[:field.start] + bits.to_bytes(8, "big") + flac[field.stop:]
+    return int.from_bytes(flac[8 + 10:8 + 18], "big") & ((1 << 36) - 1)
 
 
-def test_streamed_flac_header_says_length_unknown_and_bytes_flow_at_once() -> None:
+def test_flac_is_sent_whole_at_finish_with_its_true_length_in_the_header() -> None:
     pieces = _stream("flac")
-    first = pieces[0]
-    assert first[:4] == b"fLaC"
-    assert int.from_bytes(first[18:26], "big") & ((1 << 36) - 1) == 0
-
-
-def test_only_the_unknown_length_stops_libsndfile_reading_streamed_flac(
-        saved: dict[str, Path]) -> None:
-    data = saved["flac"].read_bytes()
-    with av.open(io.BytesIO(data)) as container:
+    *before_finish, whole = pieces
+    assert not any(before_finish), "flac bytes left before finish()"
+    assert whole[:4] == b"fLaC"
+    with av.open(io.BytesIO(whole)) as container:
         decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
-    patched = _with_total_samples(data, len(decoded))
-    whole, rate = sf.read(io.BytesIO(patched), dtype="int16")
+    assert _total_samples(whole) == len(decoded)
+    samples, rate = sf.read(io.BytesIO(whole), dtype="int16")
     assert rate == OUTPUT_RATE_HZ
-    np.testing.assert_array_equal(whole, decoded)
-    blocks = list(sf.blocks(io.BytesIO(patched), blocksize=1000, dtype="int16"))
+    np.testing.assert_array_equal(samples, decoded)
+    blocks = list(sf.blocks(io.BytesIO(whole), blocksize=1000, dtype="int16"))
     np.testing.assert_array_equal(np.concatenate(blocks), decoded)

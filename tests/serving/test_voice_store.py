@@ -81,13 +81,21 @@ def test_bad_clips_are_refused_with_a_code_that_says_why() -> None:
 
 
 def test_a_stream_without_a_length_is_still_held_to_the_limit() -> None:
-    # A FLAC whose header says "length unknown" (as this service streams it): decoding stops
-    # at the limit instead of unpacking all of it.
+    # A FLAC whose header says "length unknown" (as a streaming encoder leaves it; this
+    # service's own flac carries its length): decoding stops at the limit instead of unpacking
+    # all of it.
     from serve_app.audio.encoding import StreamEncoder
 
     encoder = StreamEncoder("flac", RATE_HZ, RATE_HZ)
     data = encoder.encode(speechlike(40.0)) + encoder.finish()
-    assert refusal(data).code == "audio_too_long"
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # STREAMINFO first
+    total_samples = slice(8 + 13, 8 + 18)  # its low 36 bits (after rate, channels, bits)
+    header = int.from_bytes(data[total_samples], "big") & ~((1 << 36) - 1)
+    unknown_length = data[:total_samples.start] + header.to_bytes(5, "big") + data[
+        total_samples.stop:]
+    with pytest.raises(ValueError):  # what libsndfile does with it (serve_app/audio/encoding.py)
+        sf.read(io.BytesIO(unknown_length))
+    assert refusal(unknown_length).code == "audio_too_long"
 
 
 def test_names_are_trimmed_and_bounded() -> None:
