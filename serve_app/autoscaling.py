@@ -5,7 +5,9 @@ each Synthesizer replica reports it (``Synthesizer.record_autoscaling_stats``, a
 over ``look_back_period_s``):
 
 - ``waiting_streams``: streams accepted but not yet in an engine slot (waiting for their
-  ``@serve.batch`` admission or for a free slot). Any sustained wait adds TTFB directly.
+  ``@serve.batch`` admission or for a free slot). Any sustained wait adds TTFB directly. The
+  policy adds the requests Serve holds queued at the callers' handles (a replica whose
+  ``max_ongoing_requests`` is reached never sees them).
 - ``slot_occupancy``: streams in engine slots over the engine's slots, 0..1.
 - ``step_budget_used``: the engine's time per step over the audio each stream gets from one
   step (its real-time budget), 0..; 1 means the engine only just keeps real time. It rises
@@ -64,7 +66,8 @@ class EngineQueuePolicy:
             return _ongoing_requests_rule(ctx), {"basis": "ongoing_requests"}
         occupancy = sum(r.get(SLOT_OCCUPANCY, 0.0) for r in reports.values())
         budget = max(r.get(STEP_BUDGET_USED, 0.0) for r in reports.values())
-        waiting = sum(r.get(WAITING_STREAMS, 0.0) for r in reports.values())
+        waiting = (sum(r.get(WAITING_STREAMS, 0.0) for r in reports.values())
+                   + (ctx.total_queued_requests or 0.0))
         wants = {
             # Occupancy: each reporting replica's share, summed, over the target share.
             "occupancy": occupancy / self.target_occupancy,

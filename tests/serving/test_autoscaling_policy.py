@@ -31,7 +31,7 @@ class Cluster:
         self.policy = serve_policy._apply_autoscaling_config(EngineQueuePolicy())
 
     def tick(self, reports: dict[int, tuple[float, float, float] | None],
-             seconds: float = 10.0, ongoing: float = 0.0) -> int:
+             seconds: float = 10.0, ongoing: float = 0.0, queued_at_callers: float = 0.0) -> int:
         """One control-loop decision after ``seconds``: ``reports`` per replica index (waiting,
         occupancy, step budget), None for a replica that sent nothing. Applies the decision,
         bounded as Serve bounds it."""
@@ -47,7 +47,8 @@ class Cluster:
         context = AutoscalingContext(
             deployment_id=None, deployment_name="Synthesizer", app_name="tts",
             current_num_replicas=self.replicas, target_num_replicas=self.replicas,
-            running_replicas=running, total_num_requests=ongoing, total_queued_requests=0.0,
+            running_replicas=running, total_num_requests=ongoing,
+            total_queued_requests=queued_at_callers,
             aggregated_metrics=metrics, raw_metrics={}, capacity_adjusted_min_replicas=1,
             capacity_adjusted_max_replicas=3, policy_state=self.state, last_scale_up_time=None,
             last_scale_down_time=None, current_time=self.now, config=CONFIG)
@@ -82,6 +83,14 @@ def test_the_step_budget_alone_scales_out(cluster: Cluster):
 def test_waiting_streams_alone_scale_out(cluster: Cluster):
     for _ in range(4):
         cluster.tick({0: (5, 0.5, 0.3)})  # streams waiting for a slot
+    assert cluster.replicas == 2
+
+
+def test_requests_queued_at_the_callers_scale_out(cluster: Cluster):
+    """A replica at max_ongoing_requests reports no wait of its own: the callers hold it (seen
+    on an H100: slots full, the engine's queue empty, TTFB p99 in seconds)."""
+    for _ in range(4):
+        cluster.tick({0: (0, 0.7, 0.3)}, queued_at_callers=40)
     assert cluster.replicas == 2
 
 
