@@ -46,8 +46,8 @@ class EngineOptions:
     # tokens after it (on CUDA on a stream of its own, so the two overlap; its graphs are
     # captured on a stream of their own, graphs.py); while a stream waits for text, its further
     # steps run beside the window too, not in line before it: on an H100 chat 128 TTFB p99 367
-    # against 482 ms in line, chat 160 real-time (docs/benchmarks/README.md, "Before: read 576 and chat 160"); off by
-    # default until it has run longer
+    # against 482 ms in line, chat 160 real-time (docs/benchmarks/README.md, "Before: read 576
+    # and chat 160"); on in serve_config.yaml
     overlap_llm_step: bool = False
     steps_per_sync: int = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
