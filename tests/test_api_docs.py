@@ -7,7 +7,6 @@ aborted rather than sent)."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import threading
 import time
@@ -23,12 +22,10 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from serve_app.api_docs import ASSET_FILES, ASSETS_URL, PAGE_POLICY, mount_offline_docs
+from tests.browser import CHROMIUM_ARGS, chromium_path
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 RENDER_TIMEOUT_MS = 60_000  # Chromium on a small, busy machine
 
 
@@ -75,15 +72,6 @@ def blocked(console: list[str]) -> list[str]:
     """Loads the page's Content-Security-Policy refused, from the browser's console."""
     return [line for line in console if "Content Security Policy" in line]
 
-
-def chromium_path() -> str:
-    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
-        "chromium-browser")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    return path
 
 
 def test_pages_and_assets_come_from_the_app(base_url: str) -> None:

@@ -7,7 +7,6 @@ page's AudioContext time and its played-seconds counter advanced past the schedu
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.browser import CHROMIUM_ARGS, chromium_path
 from tests.serving.conftest import Server
 
 pytestmark = pytest.mark.slow
@@ -24,21 +24,6 @@ ARTIFACTS = ROOT / "artifacts"
 TEXT = "Hello from the browser. This sentence streams while it plays."
 LONG_TEXT = " ".join(f"Sentence {n} of a text that is stopped long before its end."
                      for n in range(1, 30))
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
-
-
-def chromium_path() -> str:
-    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
-        "chromium-browser")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    return path
 
 
 def aborted(server: Server) -> int:
