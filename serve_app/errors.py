@@ -5,12 +5,17 @@ stream's only (or last) item by the synthesizer and the encoder: the first item 
 decides the HTTP status, and an error object survives the hop between replicas unchanged. The
 ingress turns it into OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``),
 once. Nothing here carries a traceback, a file path or a secret; no web framework is imported.
+Every refusal an engine, the text rule or a voice check raises (:class:`InvalidRequestError`)
+becomes an ApiError in :func:`refused`, and only there.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from serve_app.engines.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +72,48 @@ def _rebuild(status_code: int, message: str, param: str | None, code: str | None
                     headers=headers)
 
 
-def invalid_request(message: str, param: str | None, code: str, status_code: int = 400
-                    ) -> ApiError:
-    """The caller asked for something that cannot be served (an engine's refusal, say)."""
-    return ApiError(status_code, message, param=param, code=code)
+def refused(exc: InvalidRequestError, param_names: Mapping[str, str] | None = None) -> ApiError:
+    """The caller asked for something that cannot be served: the one place an
+    :class:`InvalidRequestError` (the text rule's, a voice clip's or name's, an engine's
+    ``validate``) becomes the :class:`ApiError` answered with.
+
+    ``param_names`` maps the engines' names of request fields to the route's own (the OpenAI
+    route's ``input`` is the engines' ``text``): see :func:`renamed`.
+    """
+    error = ApiError(exc.status_code, exc.message, param=exc.param, code=exc.code)
+    return renamed(error, param_names) if param_names else error
+
+
+def renamed(error: ApiError, param_names: Mapping[str, str]) -> ApiError:
+    """``error`` naming its parameter as the route does: ``param`` and a message that starts
+    with the field's name ("text is longer than ...") take the route's name for it. An error
+    about another field comes back as it is."""
+    name = param_names.get(error.param or "")
+    if name is None:
+        return error
+    message = error.message
+    if message.startswith(f"{error.param} "):
+        message = name + message[len(error.param):]
+    return ApiError(error.status_code, message, param=name, code=error.code,
+                    error_type=error.error_type, headers=error.headers)
+
+
+def invalid_json(problem: str = "malformed JSON body") -> ApiError:
+    """A body that is not one JSON value: bad syntax, bad UTF-8, or nesting too deep to parse."""
+    return ApiError(400, problem, code="invalid_json")
+
+
+def unknown_voice(voice: str, engine_voices: Sequence[str], aliases: Sequence[str],
+                  stored_voices: bool = False) -> ApiError:
+    """A voice that is none of the names a request may use: the answer lists them all, the
+    engine's own voices and the accepted OpenAI voice names (and says where stored voices are
+    listed when the engine clones voices)."""
+    message = f"unknown voice {voice!r}; available: {', '.join(engine_voices)}"
+    if aliases:
+        message += f"; OpenAI voice names (the default voice): {', '.join(aliases)}"
+    if stored_voices:
+        message += "; or one of your voices (GET /v1/audio/voices)"
+    return ApiError(400, message, param="voice", code="unknown_voice")
 
 
 def overloaded() -> ApiError:

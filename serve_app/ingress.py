@@ -32,6 +32,7 @@ from serve_app.config import ApiConfig
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.errors import ApiError
 from serve_app.guard import (
+    JSON_MEDIA_TYPE,
     REQUEST_ID_HEADER,
     KeyRing,
     RequestGuard,
@@ -60,6 +61,8 @@ from serve_app.voices import (
 logger = logging.getLogger(__name__)
 
 OPENAI_PCM_RATE_HZ = 24000
+# The OpenAI route's names for the request fields the engines and the text rule name.
+OPENAI_PARAM_NAMES = {"text": "input"}
 # What the consent field of a voice upload may say to affirm it (case and spaces ignored).
 CONSENT_AFFIRMED = ("true", "yes", "1", "on", "affirmed", "i consent")
 CONSENT_DESCRIPTION = ("Required, and must be true: you attest that the person speaking in "
@@ -67,10 +70,10 @@ CONSENT_DESCRIPTION = ("Required, and must be true: you attest that the person s
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
+    problems = exc.errors()
+    first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":
-        return ApiError(400, "malformed JSON body", code="invalid_json")
+        return errors.invalid_json()
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     message = first.get("msg", "invalid request")
@@ -78,7 +81,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"missing required parameter: {param}", param=param,
                         code="missing_required_parameter")
     if first.get("type") == "model_attributes_type":
-        return ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return errors.invalid_json("request body must be a JSON object")
     return ApiError(400, f"invalid value for {param}: {message}" if param else message,
                     param=param, code="invalid_value")
 
@@ -111,9 +114,28 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     elif exc.status_code == 405:
         error = ApiError(405, f"method {request.method} not allowed on {request.url.path}",
                          code="method_not_allowed")
+    elif (body_problem := _unparsable_json(request, exc)) is not None:
+        error = errors.invalid_json(body_problem)
     else:
         error = ApiError(exc.status_code, str(exc.detail), code="http_error")
     return json_error(error, request.app.state)
+
+
+def _unparsable_json(request: Request, exc: StarletteHTTPException) -> str | None:
+    """What kept FastAPI from parsing a JSON body, when that is what ``exc`` (its 400 "There was
+    an error parsing the body", raised from the parser's own error) says: bad UTF-8, or nesting
+    deeper than the parser recurses (a JSON syntax error is a RequestValidationError instead)."""
+    if exc.status_code != 400 or request.headers.get("content-type", "").split(";")[0].strip(
+            ).lower() != JSON_MEDIA_TYPE:
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return "request body is not valid UTF-8"
+    if isinstance(cause, RecursionError):
+        return "request body nests too deeply to parse"
+    if isinstance(cause, ValueError):
+        return "malformed JSON body"
+    return None
 
 
 @api_app.exception_handler(Exception)
@@ -165,10 +187,6 @@ def _request_id(http: Request) -> str:
             or uuid.uuid4().hex)
 
 
-def _invalid(exc: InvalidRequestError) -> ApiError:
-    return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
-
-
 def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz: int) -> None:
     """What RequestGuard's log line says about a speech request; the text only at debug."""
     http.state.speech = {"mode": request.mode, "format": audio_format, "sample_rate_hz": rate_hz,
@@ -202,6 +220,7 @@ class Ingress:
         api_app.state.metrics = self._metrics
         api_app.state.encoder_metrics = self._encoder_metrics
         self._info: EngineInfo | None = None
+        api_app.state.engine_info = self._engine_info  # the socket's
         # The first call through a handle sets up its router and connections: made now, so no
         # request pays for it; its answer is the engine info the routes need.
         self._info_call = synthesizer.info.remote()
@@ -265,7 +284,7 @@ class Ingress:
         if body.model not in (info.model_id, *self._api.model_aliases):
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
-        text = self._checked_text(body.input, "input")
+        text = self._checked_text(body.input, OPENAI_PARAM_NAMES)
         self._check_instructions(body.instructions)
         voice = await self._voice(body.voice, http)
         request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
@@ -273,14 +292,17 @@ class Ingress:
                                 max_audio_s=self._api.max_audio_s,
                                 system_prompt=body.instructions or None)
         _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
-        return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ, received_s,
-                                  events=body.stream_format == "sse")
+        try:
+            return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ,
+                                      received_s, events=body.stream_format == "sse")
+        except ApiError as error:  # the engine's refusal names its own fields ("text")
+            raise errors.renamed(error, OPENAI_PARAM_NAMES) from None
 
     @api_app.post("/v1/speech/stream", summary="Native streaming speech",
                   response_class=StreamingResponse)
     async def native_speech(self, body: NativeSpeechBody, http: Request) -> StreamingResponse:
         received_s = time.perf_counter()
-        text = self._checked_text(body.text, "text")
+        text = self._checked_text(body.text)
         self._check_instructions(body.instructions)
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
@@ -306,9 +328,10 @@ class Ingress:
 
     async def _voice(self, voice: str, http: Request) -> str:
         """The engine voice a speech request asks for: an alias becomes the default voice; a
-        stored voice must belong to the caller (else 404), so a bad one never reaches the GPU."""
+        stored voice must belong to the caller (else 404), any other name must be the engine's
+        (else 400 listing the names), so a bad one never reaches the GPU."""
         return await resolve_voice(self._voices, self._owner(http), voice,
-                                   self._api.voice_aliases)
+                                   self._api.voice_aliases, await self._engine_info())
 
     @api_app.post("/v1/audio/voices", summary="Create a voice from a reference clip",
                   responses={409: {"description": "the key keeps max_voices_per_key voices"},
@@ -334,7 +357,7 @@ class Ingress:
         try:
             name = check_name(name)
         except InvalidRequestError as exc:
-            raise _invalid(exc) from None
+            raise errors.refused(exc) from None
         owner = self._owner(http)
         limit = self._api.max_voices_per_key
         voice_limit = ApiError(409, f"this API key already keeps {limit} voices; delete one "
@@ -347,7 +370,7 @@ class Ingress:
             clip = await asyncio.to_thread(decode_clip, data, self._api.min_voice_clip_s,
                                            self._api.max_voice_clip_s)
         except InvalidRequestError as exc:
-            raise _invalid(exc) from None
+            raise errors.refused(exc) from None
         embeddings = await self._embed(clip.samples, clip.sample_rate_hz)
         consent_record = {"attested": True, "statement": CONSENT_DESCRIPTION,
                           "at": int(time.time())}
@@ -407,12 +430,13 @@ class Ingress:
         logger.info("voice %s deleted", voice_id)
         return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
 
-    def _checked_text(self, text: str, param: str) -> str:
-        """The text under the shared rule (serve_app.text_rule), or a 400."""
+    def _checked_text(self, text: str, param_names: dict[str, str] | None = None) -> str:
+        """The text under the shared rule (serve_app.text_rule), or a 400 naming the route's
+        field."""
         try:
-            return check_text(text, self._api.max_input_chars, param)
+            return check_text(text, self._api.max_input_chars)
         except InvalidRequestError as exc:
-            raise errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code) from None
+            raise errors.refused(exc, param_names) from None
 
     def _check_instructions(self, instructions: str | None) -> None:
         limit = self._api.max_instructions_chars

@@ -96,6 +96,7 @@ class SpeechSession:
         self.synthesizer = state.synthesizer
         self.metrics = state.metrics
         self.voice_store = state.voice_store
+        self.engine_info = state.engine_info  # the Ingress's (cached after its first answer)
         self.request_id = uuid.uuid4().hex
         self.key: str | None = None  # the API key's log label, once authenticated
         self.send_lock = asyncio.Lock()
@@ -126,7 +127,7 @@ class SpeechSession:
             return None
         try:
             body = json.loads(message["text"])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
             await self.send(_bad_message("message is not valid JSON", "invalid_json"))
             return None
         if not isinstance(body, dict) or not isinstance(body.get("type"), str):
@@ -178,9 +179,10 @@ class SpeechSession:
 
     async def open(self, start: SessionStart) -> Any:
         try:
-            # A stored voice must be the caller's key's (else 404), as on the HTTP routes.
+            # As on the HTTP routes: a stored voice must be the caller's key's (else 404), any other
+            # name the engine's or an alias (else 400).
             voice = await resolve_voice(self.voice_store, self.keys.owner(self.key), start.voice,
-                                        self.api.voice_aliases)
+                                        self.api.voice_aliases, await self.engine_info())
             request = SpeechRequest(request_id=self.request_id, text="", voice=voice,
                                     text_input="streamed", max_audio_s=self.api.max_audio_s,
                                     system_prompt=start.instructions or None)

@@ -56,13 +56,24 @@ async def open_stream(synthesizer: DeploymentHandle, job: EncodeJob, api: ApiCon
     return first, pieces, upstream
 
 
+def _chunk(encoder: StreamEncoder, samples_before: int, data: bytes, text: str,
+           timings_s: dict[str, float] | None = None) -> EncodedChunk:
+    """An event chunk whose offset and duration are those of the audio the encoder took in for
+    it, at the output rate: what the bytes carry (pcm and wav exactly; a codec's frames may
+    leave a call later). The engine chunk's own duration is not: the resampler holds back a few
+    milliseconds of each chunk (a stream's last ones leave with ``finish``, the tail) and changes
+    sample counts."""
+    rate = encoder.output_rate_hz
+    return EncodedChunk(data, text, samples_before / rate,
+                        (encoder.samples_out - samples_before) / rate, timings_s or {})
+
+
 async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMetrics
                   ) -> AsyncIterator[StreamItem]:
     """The synthesizer's items with each ``AudioChunk`` resampled and encoded: bytes (with
     ``job.events``: an :class:`EncodedChunk` per engine chunk, then the :class:`StreamUsage`).
     A refused or failed stream ends with an :class:`ApiError` item."""
     started_s = time.perf_counter()
-    audio_s = 0.0
     encoder: StreamEncoder | None = None
     usage: StreamUsage | None = None
     try:
@@ -82,18 +93,21 @@ async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMe
             # Codecs take milliseconds per chunk: they run in a worker thread so the event loop
             # stays free for other streams. Raw samples are cast here, sparing the handoff.
             encode_started_s = time.perf_counter()
+            before = encoder.samples_out
             data = (encoder.encode(item.samples) if encoder.light
                     else await asyncio.to_thread(encoder.encode, item.samples))
             metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
             if job.events:
-                yield EncodedChunk(data, item.text, audio_s, item.duration_s, item.timings_s)
+                yield _chunk(encoder, before, data, item.text, item.timings_s)
             elif data:
                 yield data
-            audio_s += item.duration_s
+        audio_s = 0.0
         if encoder is not None:
+            before = encoder.samples_out
             tail = encoder.finish() if encoder.light else await asyncio.to_thread(encoder.finish)
             if tail:
-                yield EncodedChunk(tail, "", audio_s, 0.0) if job.events else tail
+                yield _chunk(encoder, before, tail, "") if job.events else tail
+            audio_s = encoder.samples_out / encoder.output_rate_hz
         if job.events and usage is not None:
             yield usage
         metrics.stream_finished(job.audio_format, audio_s, time.perf_counter() - started_s)

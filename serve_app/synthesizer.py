@@ -68,7 +68,7 @@ def _refused(request_id: str, exc: BaseException) -> ApiError:
     if isinstance(exc, EngineOverloadedError):
         return errors.overloaded()
     if isinstance(exc, InvalidRequestError):
-        return errors.invalid_request(exc.message, exc.param, exc.code, exc.status_code)
+        return errors.refused(exc)
     return errors.synthesis_unavailable(request_id, exc)  # the engine process is gone
 
 

@@ -39,12 +39,15 @@ import soundfile as sf
 
 from serve_app import errors
 from serve_app.engines.base import MAX_CLIP_RATE_HZ, MIN_CLIP_RATE_HZ, InvalidRequestError
+from serve_app.messages import EngineInfo
 
 Result = TypeVar("Result")
 
 logger = logging.getLogger(__name__)
 
 VOICE_ID_PREFIX = "voice_"
+# The name every engine takes for its own default voice (what the OpenAI voice names mean).
+DEFAULT_VOICE = "default"
 _VOICE_ID = re.compile(r"^voice_[0-9a-f]{24}$")
 _OWNER = re.compile(r"^[0-9a-z]{1,64}$")
 # The owner of every voice when the service runs without API keys: all callers share it.
@@ -364,15 +367,23 @@ async def store_call(function: Callable[..., Result], *args: Any) -> Result:
         raise errors.voice_store_unavailable() from None
 
 
-async def resolve_voice(store: VoiceStore, owner: str, voice: str, aliases: list[str]) -> str:
+async def resolve_voice(store: VoiceStore, owner: str, voice: str, aliases: list[str],
+                        engine: EngineInfo | None = None) -> str:
     """The engine voice a speech request asks for: an OpenAI alias is the engine's default
     voice; a stored voice must exist for ``owner`` (else a 404 ApiError, whether it never
-    existed or belongs to another key); any other name goes to the engine to judge."""
+    existed or belongs to another key); any other name must be one of ``engine``'s voices or
+    ``default`` (else a 400 ApiError listing them and the aliases), so a bad voice never reaches
+    the GPU. Without ``engine`` such a name goes to the engine to judge."""
     if voice in aliases:
-        return "default"
+        return DEFAULT_VOICE
     if voice.startswith(VOICE_ID_PREFIX):
         try:
             await store_call(store.get, owner, voice)
         except VoiceNotFound:
             raise errors.voice_not_found(voice) from None
+        return voice
+    if engine is not None:
+        names = list(dict.fromkeys([*engine.voices, DEFAULT_VOICE]))
+        if voice not in names:
+            raise errors.unknown_voice(voice, names, aliases, engine.clones_voices)
     return voice
