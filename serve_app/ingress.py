@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import __version__, errors
+from serve_app.api_docs import mount_offline_docs
 from serve_app.audio import CONTENT_TYPES, check_format_rate
 from serve_app.config import ApiConfig
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
@@ -86,11 +87,16 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
                     param=param, code="invalid_value")
 
 
+# /docs and /redoc with their assets served by the app itself, not a CDN (serve_app/api_docs.py):
+# they render on a cluster without internet. Like every path outside /v1/, they need no key.
 api_app = FastAPI(
     title="Speech serving API",
     version=__version__,
     description="Streaming text to speech on Ray Serve (OpenAI-compatible /v1/audio/speech).",
+    docs_url=None,
+    redoc_url=None,
 )
+mount_offline_docs(api_app)
 api_app.add_middleware(RequestGuard)
 api_app.include_router(speech_socket_router)
 
