@@ -12,7 +12,7 @@ import time
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from schemathesis import GenerationMode
 
 from serve_app.engines.base import InvalidRequestError
@@ -92,8 +92,18 @@ def test_fuzzed_openai_speech_fields_sse_and_instructions(server: Server) -> Non
             del case.body["instructions"]  # half the cases without: those must stream
         return case
 
+    def explicit(**fields: object) -> schemathesis.Case:
+        return operation.Case(body={"model": "tts-1", "voice": "alloy",
+                                    "input": "A sentence to speak.", **fields},
+                              media_type="application/json")
+
+    # Which cases the generator draws depends on Hypothesis' state of the whole session (one
+    # order of the suite drew no case with instructions): each branch is also given once.
     @settings(max_examples=SPEECH_EXAMPLES, deadline=None, database=None, derandomize=True,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @example(case=explicit(instructions="Speak slowly."))
+    @example(case=explicit(stream_format="sse", response_format="pcm"))
+    @example(case=explicit(response_format="wav"))
     @given(case=operation.as_strategy(GenerationMode.POSITIVE).map(served))
     def check(case: schemathesis.Case) -> None:
         response = case.call(headers=server.auth, timeout=REQUEST_TIMEOUT_S)
