@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import yaml
 
-from serve_app.ingress_env import haproxy_env
+from loadtest.local_cluster import free_ports
+from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, haproxy_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # Ray's "View the dashboard at http://127.0.0.1:8265" line in the service's log.
@@ -30,7 +31,9 @@ DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)
 def start_service(config: dict[str, Any], base_url: str, log_path: Path,
                   ready_timeout_s: float = 300) -> subprocess.Popen:
     """``serve run`` of the config on a new local cluster, in its own process group, with
-    HAProxy in front (unless the environment says otherwise)."""
+    HAProxy in front (unless the environment says otherwise) on stats, metrics and fallback
+    ports of its own: HAProxy's fixed defaults (8404, 9101) were still held by another
+    service's HAProxy on a busy machine, and this one could not start."""
     config_file = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
     yaml.safe_dump(config, config_file)
     config_file.close()
@@ -42,7 +45,8 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         # RAY_DEDUP_LOGS=0: the log keeps every replica's line (Ray folds lines that differ only
         # in numbers across processes, which hid most of the per-request lines bench_serve
         # matches once the Ingress ran as several replicas).
-        env={**haproxy_env(), "RAY_DEDUP_LOGS": "0", **os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        env={**haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS))), "RAY_DEDUP_LOGS": "0",
+             **os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     started = time.monotonic()
     deadline = started + ready_timeout_s
     next_note = started + 60
