@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,10 +21,11 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtest.local_cluster import free_ports
+from loadtest.local_cluster import end_marked_processes, free_ports
 from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, haproxy_env
 
 ROOT = Path(__file__).resolve().parents[1]
+SERVICE_MARKER = "LOCAL_SERVICE_ID"  # in the environment of every process a service started
 # Ray's "View the dashboard at http://127.0.0.1:8265" line in the service's log.
 DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)")
 
@@ -38,6 +40,7 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
     yaml.safe_dump(config, config_file)
     config_file.close()
     log = log_path.open("w")
+    marker = secrets.token_hex(8)
     process = subprocess.Popen(
         [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
          "--address", "local", config_file.name], cwd=ROOT, stdout=log,
@@ -46,7 +49,8 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         # in numbers across processes, which hid most of the per-request lines bench_serve
         # matches once the Ingress ran as several replicas).
         env={**haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS))), "RAY_DEDUP_LOGS": "0",
-             **os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+             **os.environ, "RAY_USAGE_STATS_ENABLED": "0", SERVICE_MARKER: marker})
+    process.service_marker = marker  # type: ignore[attr-defined]
     started = time.monotonic()
     deadline = started + ready_timeout_s
     next_note = started + 60
@@ -134,6 +138,9 @@ def stop_service(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    # Ray's HAProxy outlives its cluster (it is re-parented, in a process group of its own) and
+    # would keep its ports: end every process the service's environment marks.
+    end_marked_processes(SERVICE_MARKER, getattr(process, "service_marker", ""), grace_s=5.0)
 
 
 def replicas(app: str) -> list[tuple[str, int, float]]:

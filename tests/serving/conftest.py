@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-123"
+CLUSTER_MARKER = "TEST_RAY_CLUSTER_ID"  # in the environment of every process the cluster starts
 APP_NAME = "tts"
 # For Ray processes started by this session only (the controller and the proxy read them).
 RAY_ENV = {
@@ -97,7 +99,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
     # never collide. Metrics arrive within a second (Ray's default: 10 s).
     port = int(os.environ.get("SERVE_TEST_PORT") or _free_port())
     metrics_port = _free_port()
-    env = ray_env()
+    env = {**ray_env(), CLUSTER_MARKER: secrets.token_hex(8)}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # inherited by the raylet, hence by every Ray worker
     try:
@@ -130,6 +132,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
     finally:
         serve.shutdown()
         ray.shutdown()
+        # Ray's HAProxy outlives the cluster (re-parented, in a group of its own) and would keep
+        # its ports: end what this session's cluster left behind.
+        from loadtest.local_cluster import end_marked_processes
+
+        end_marked_processes(CLUSTER_MARKER, env[CLUSTER_MARKER], grace_s=5.0)
 
 
 @pytest.fixture()
