@@ -30,6 +30,12 @@ SERVICE_MARKER = "LOCAL_SERVICE_ID"  # in the environment of every process a ser
 DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)")
 
 
+def haproxy_env_of_its_own() -> dict[str, str]:
+    """HAProxy in front on stats, metrics and fallback ports free now: for a cluster that shares
+    the machine with others (tests, benchmarks)."""
+    return haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS)))
+
+
 def start_service(config: dict[str, Any], base_url: str, log_path: Path,
                   ready_timeout_s: float = 300) -> subprocess.Popen:
     """``serve run`` of the config on a new local cluster, in its own process group, with
@@ -48,7 +54,7 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         # RAY_DEDUP_LOGS=0: the log keeps every replica's line (Ray folds lines that differ only
         # in numbers across processes, which hid most of the per-request lines bench_serve
         # matches once the Ingress ran as several replicas).
-        env={**haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS))), "RAY_DEDUP_LOGS": "0",
+        env={**haproxy_env_of_its_own(), "RAY_DEDUP_LOGS": "0",
              **os.environ, "RAY_USAGE_STATS_ENABLED": "0", SERVICE_MARKER: marker})
     process.service_marker = marker  # type: ignore[attr-defined]
     started = time.monotonic()

@@ -47,10 +47,9 @@ RAY_ENV.update(production_replica_env())
 def ray_env() -> dict[str, str]:
     """The environment of a cluster this session starts: :data:`RAY_ENV`, and HAProxy in front
     (as every shipped profile runs) on ports of its own."""
-    from loadtest.local_cluster import free_ports
-    from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, haproxy_env
+    from loadtest.service import haproxy_env_of_its_own
 
-    return {**RAY_ENV, **haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS)))}
+    return {**RAY_ENV, **haproxy_env_of_its_own()}
 
 
 @dataclass
