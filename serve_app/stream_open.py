@@ -68,6 +68,11 @@ def _chunk(encoder: StreamEncoder, samples_before: int, data: bytes, text: str,
                         (encoder.samples_out - samples_before) / rate, timings_s or {})
 
 
+async def _off_loop(encoder: StreamEncoder, work: Any, *args: Any) -> bytes:
+    """``work(*args)`` on the loop for a light format (a cast), in a worker thread for a codec."""
+    return work(*args) if encoder.light else await asyncio.to_thread(work, *args)
+
+
 async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMetrics
                   ) -> AsyncIterator[StreamItem]:
     """The synthesizer's items with each ``AudioChunk`` resampled and encoded: bytes (with
@@ -94,8 +99,7 @@ async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMe
             # stays free for other streams. Raw samples are cast here, sparing the handoff.
             encode_started_s = time.perf_counter()
             before = encoder.samples_out
-            data = (encoder.encode(item.samples) if encoder.light
-                    else await asyncio.to_thread(encoder.encode, item.samples))
+            data = await _off_loop(encoder, encoder.encode, item.samples)
             metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
             if job.events:
                 yield _chunk(encoder, before, data, item.text, item.timings_s)
@@ -104,7 +108,7 @@ async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMe
         audio_s = 0.0
         if encoder is not None:
             before = encoder.samples_out
-            tail = encoder.finish() if encoder.light else await asyncio.to_thread(encoder.finish)
+            tail = await _off_loop(encoder, encoder.finish)
             if tail:
                 yield _chunk(encoder, before, tail, "") if job.events else tail
             audio_s = encoder.samples_out / encoder.output_rate_hz
