@@ -3,7 +3,7 @@
     scripts/bench_autoscale --gpus 1 --replica-gpus 0.5 --out docs/benchmarks/autoscale-h100.json
 
 It starts ``serve_config.yaml`` as shipped (its autoscaling policy,
-``serve_app.autoscaling:EngineQueuePolicy``) with the benchmark engine setting, the Synthesizer
+``serve_app.gpu.autoscaling:EngineQueuePolicy``) with the benchmark engine setting, the Synthesizer
 at ``--replica-gpus`` GPUs per replica (two replicas share one GPU at 0.5, each engine capped to
 ``--gpu-memory-gb`` and ``--max-slots``), ``min_replicas`` 1 and ``max_replicas`` ``--max-replicas``,
 and shorter delays than production (``--upscale-delay-s``, ``--downscale-delay-s``) so a whole
@@ -48,7 +48,7 @@ from loadtest.service import ROOT, start_service, stop_service
 
 APP = "tts"
 WINDOW_S = 5.0
-POLICY = "serve_app.autoscaling:EngineQueuePolicy"
+POLICY = "serve_app.gpu.autoscaling:EngineQueuePolicy"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

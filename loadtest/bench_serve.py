@@ -241,7 +241,7 @@ class CpuMeter:
             process = self._psutil.Process(pid)
             found.setdefault(name, []).append(process)
             for child in process.children():  # the Synthesizer's engine process
-                if "serve_app.engine_process" in " ".join(child.cmdline()):
+                if "serve_app.gpu.engine_process" in " ".join(child.cmdline()):
                     found.setdefault(f"{name}Engine", []).append(child)
         for process in self._psutil.process_iter(["name", "cmdline"]):
             command = " ".join(process.info["cmdline"] or [])

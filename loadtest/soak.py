@@ -141,7 +141,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("/v1/speech/stream", {"content": b"x" * 70_000,
                            "headers": {"content-type": "application/json"}}),
 ]
-# Text with nothing to speak or a NUL (serve_app/text_rule.py): a JSON 400 each, never a 5xx or
+# Text with nothing to speak or a NUL (serve_app/engines/text_rule.py): a JSON 400 each, never a 5xx or
 # an empty 200. Sent as escaped JSON, since a lone surrogate cannot be encoded as UTF-8.
 HOSTILE_TEXTS = ["\u0000\u0001\u0002", "Hello\u0000world", "\u200b\u200b\u200b", " \t\u0007 ",
                  "...", "\U000c4a7e", "\ud800\u202e\ufeff"]

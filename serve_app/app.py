@@ -11,8 +11,8 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import AppArgs
-from serve_app.ingress import Ingress
-from serve_app.synthesizer import Synthesizer
+from serve_app.front.ingress import Ingress
+from serve_app.gpu.synthesizer import Synthesizer
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:

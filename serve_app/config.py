@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.engines.base import MAX_CLIP_S, MIN_CLIP_S
-from serve_app.text_rule import MAX_TEXT_CHARS
+from serve_app.engines.text_rule import MAX_TEXT_CHARS
 
 # Where voices live unless api.voice_store says otherwise: a local folder, fine for one machine.
 # On a multi-node cluster point api.voice_store at a shared filesystem (NFS, EFS) mounted at the
@@ -95,7 +95,7 @@ class ApiConfig(BaseModel):
     def _within_engine_limit(cls, value: int) -> int:
         if value > MAX_TEXT_CHARS:
             raise ValueError(f"api.max_input_chars is {value}, above the {MAX_TEXT_CHARS} "
-                             "characters the engines accept (serve_app.text_rule.MAX_TEXT_CHARS)")
+                             "characters the engines accept (serve_app.engines.text_rule.MAX_TEXT_CHARS)")
         return value
 
     @model_validator(mode="after")

@@ -51,7 +51,7 @@ class StreamUsage:
 @dataclass(frozen=True)
 class TextInputOpen:
     """A streamed-input request is in the engine of the Synthesizer replica ``replica_id``:
-    its text goes there through ``feed_text`` (see :mod:`serve_app.routing`)."""
+    its text goes there through ``feed_text`` (see :mod:`serve_app.gpu.routing`)."""
 
     replica_id: str
 

@@ -1,4 +1,4 @@
-"""The API docs pages (serve_app/api_docs.py) work offline: a tiny FastAPI app with the pages
+"""The API docs pages (serve_app/front/api_docs.py) work offline: a tiny FastAPI app with the pages
 mounted, served by uvicorn, loaded in headless Chromium (Debian's, driven by Playwright) that
 may reach nothing but that server. Swagger UI must render the app's operations, ReDoc its
 reference, and no request may go to another host (any such request fails the test, and is
@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from serve_app.api_docs import ASSET_FILES, ASSETS_URL, PAGE_POLICY, mount_offline_docs
+from serve_app.front.api_docs import ASSET_FILES, ASSETS_URL, PAGE_POLICY, mount_offline_docs
 from tests.browser import CHROMIUM_ARGS, chromium_path
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 README says.
 
 Every line of the README's shell blocks must be one of: the two scripts (present and
-executable), ``curl`` against a route the app serves (``serve_app.ingress.api_app``) with the
+executable), ``curl`` against a route the app serves (``serve_app.front.ingress.api_app``) with the
 method it answers, ``.venv/bin/<entry point>`` of the project (``[project.scripts]``) or of one of
 its dependencies (Ray's ``serve``), ``.venv/bin/python <example>`` whose imports the installed
 set provides, or ``echo``. A file a command reads is in the repository or written by a line
@@ -112,7 +112,7 @@ def api_routes() -> list[tuple[re.Pattern, set[str]]]:
     """(path pattern, methods) of every route the app serves; WebSocket routes as ``WS``."""
     from fastapi.routing import APIWebSocketRoute
 
-    from serve_app.ingress import api_app
+    from serve_app.front.ingress import api_app
 
     found = []
 

@@ -1,4 +1,4 @@
-"""The one text rule (serve_app/text_rule.py): what is kept, removed and refused, for any text."""
+"""The one text rule (serve_app/engines/text_rule.py): what is kept, removed and refused, for any text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
-from serve_app.text_rule import MAX_TEXT_CHARS, check_text, clean_text
+from serve_app.engines.text_rule import MAX_TEXT_CHARS, check_text, clean_text
 from tests.text_cases import ONCE_FAILED, SPEAKS, hostile_text
 
 # Pure functions: many examples cost little. derandomize: the same examples on every run.
@@ -101,7 +101,7 @@ def test_the_input_limit_is_configurable_up_to_the_engines_maximum_and_no_furthe
     from pydantic import ValidationError
 
     from serve_app.config import ApiConfig
-    from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
+    from serve_app.front.schemas import NativeSpeechBody, OpenAISpeechBody
 
     assert ApiConfig().max_input_chars == ApiConfig(max_input_chars=MAX_TEXT_CHARS).max_input_chars
     with pytest.raises(ValidationError, match=f"above the {MAX_TEXT_CHARS} characters"):

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
-from serve_app.text_rule import clean_text
+from serve_app.engines.text_rule import clean_text
 
 # The errors live in a leaf module, which text_rule imports without this one; re-exported here.
 from .errors import (  # noqa: F401
@@ -84,7 +84,7 @@ class LengthControls:
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """One text-to-speech stream; ``text`` is cleaned on construction (``serve_app.text_rule``).
+    """One text-to-speech stream; ``text`` is cleaned on construction (``serve_app.engines.text_rule``).
 
     ``text_input``: ``"whole"`` (``text`` is all there is) or ``"streamed"`` (``text`` is what is
     known at submission, possibly empty; the rest comes through :meth:`Engine.feed_text`).

@@ -21,8 +21,8 @@ def long_stream_app(server, tiny_checkpoint):
     from ray import serve
 
     from serve_app.config import ApiConfig, BatchingConfig
-    from serve_app.ingress import Ingress
-    from serve_app.synthesizer import Synthesizer
+    from serve_app.front.ingress import Ingress
+    from serve_app.gpu.synthesizer import Synthesizer
 
     small = {"num_cpus": 0.05}
     options = {"model": str(tiny_checkpoint), "device": "cpu", "dtype": "float32",

@@ -1,4 +1,4 @@
-"""The Synthesizer's autoscaling policy (serve_app/autoscaling.py), fed Serve's own
+"""The Synthesizer's autoscaling policy (serve_app/gpu/autoscaling.py), fed Serve's own
 AutoscalingContext and run through Serve's own wrapper (bounds of the decision, upscale and
 downscale delays), with made-up replica reports over a made-up clock."""
 
@@ -8,7 +8,7 @@ import pytest
 from ray.serve import autoscaling_policy as serve_policy
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from serve_app.autoscaling import (
+from serve_app.gpu.autoscaling import (
     SLOT_OCCUPANCY,
     STEP_BUDGET_USED,
     WAITING_STREAMS,
@@ -157,6 +157,6 @@ def test_every_profile_scales_its_synthesizer_with_the_policy(name: str):
     [app] = yaml.safe_load((ROOT / name).read_text())["applications"]
     [synthesizer] = [d for d in app["deployments"] if d["name"] == "Synthesizer"]
     config = AutoscalingConfig(**synthesizer["autoscaling_config"])
-    assert config.policy.policy_function == "serve_app.autoscaling:EngineQueuePolicy"
+    assert config.policy.policy_function == "serve_app.gpu.autoscaling:EngineQueuePolicy"
     policy = EngineQueuePolicy(**config.policy.policy_kwargs)  # the kwargs are its own
     assert 0 < policy.target_occupancy <= 1

@@ -1,5 +1,5 @@
-"""The engine in its own process (serve_app.engine_process) and the replica's side of it
-(serve_app.engine_client), with the real Piper engine and no Ray."""
+"""The engine in its own process (serve_app.gpu.engine_process) and the replica's side of it
+(serve_app.gpu.engine_client), with the real Piper engine and no Ray."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serve_app import engine_wire
-from serve_app.engine_client import EngineClient, EngineDeadError, Inbox
-from serve_app.engine_process import EngineServer
+from serve_app.gpu import engine_wire
+from serve_app.gpu.engine_client import EngineClient, EngineDeadError, Inbox
+from serve_app.gpu.engine_process import EngineServer
 from serve_app.engines.base import AudioChunk, EngineError, InvalidRequestError, SpeechRequest
 from serve_app.engines.registry import create_engine
 
@@ -135,7 +135,7 @@ def test_the_engine_process_exits_when_its_replica_is_killed(tmp_path: Path) -> 
     script = tmp_path / "replica.py"
     script.write_text(
         "import sys, time\n"
-        "from serve_app.engine_client import EngineClient\n"
+        "from serve_app.gpu.engine_client import EngineClient\n"
         "engine = EngineClient.start('piper', {'intra_op_threads': 1})\n"
         "print(engine.pid, flush=True)\n"
         "time.sleep(600)\n")

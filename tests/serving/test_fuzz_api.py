@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from schemathesis import GenerationMode
 
 from serve_app.engines.base import InvalidRequestError
-from serve_app.text_rule import check_text
+from serve_app.engines.text_rule import check_text
 from tests.serving.conftest import Server
 
 pytestmark = pytest.mark.slow

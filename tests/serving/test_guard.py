@@ -6,7 +6,7 @@ import pytest
 
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
-from serve_app.guard import KeyRing, StreamAdmission
+from serve_app.front.guard import KeyRing, StreamAdmission
 
 
 def test_keys_come_from_config_env_and_file_and_are_labelled_by_position(

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_app import metrics
+from serve_app.observability import metrics
 from tests.serving.conftest import APP_NAME, Server
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """The API docs pages of the real app (HAProxy in front), with their assets served by the app
-itself (serve_app/api_docs.py; tests/test_api_docs.py renders them offline in Chromium): no API
+itself (serve_app/front/api_docs.py; tests/test_api_docs.py renders them offline in Chromium): no API
 key needed, nothing loaded from a CDN."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serve_app.api_docs import ASSET_FILES, ASSETS_URL, PAGE_POLICY
+from serve_app.front.api_docs import ASSET_FILES, ASSETS_URL, PAGE_POLICY
 from tests.serving.conftest import Server
 
 pytestmark = pytest.mark.slow

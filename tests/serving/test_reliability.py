@@ -74,8 +74,8 @@ def deploy(args: AppArgs, synth_replicas: int = 1) -> None:
     """
     from ray import serve
 
-    from serve_app.ingress import Ingress
-    from serve_app.synthesizer import Synthesizer
+    from serve_app.front.ingress import Ingress
+    from serve_app.gpu.synthesizer import Synthesizer
 
     api = args.api
     synthesizer = Synthesizer.options(

@@ -180,8 +180,8 @@ def two_replicas(server: Server) -> Server:
     from ray import serve
 
     from serve_app.config import ApiConfig
-    from serve_app.ingress import Ingress
-    from serve_app.synthesizer import Synthesizer
+    from serve_app.front.ingress import Ingress
+    from serve_app.gpu.synthesizer import Synthesizer
 
     synthesizer = Synthesizer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.1}).bind(
         "piper", {"intra_op_threads": 1, "max_batch_size": 4})

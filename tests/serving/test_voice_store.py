@@ -11,18 +11,9 @@ import pytest
 import soundfile as sf
 
 from serve_app.engines.base import InvalidRequestError
-from serve_app.guard import KeyRing
-from serve_app.voices import (
-    SHARED_OWNER,
-    Clip,
-    VoiceLimitReached,
-    VoiceNotFound,
-    VoiceStore,
-    check_name,
-    decode_clip,
-    is_voice_id,
-    owner_of_key,
-)
+from serve_app.front.guard import KeyRing
+from serve_app.voices.clip import SHARED_OWNER, Clip, check_name, decode_clip, is_voice_id, owner_of_key
+from serve_app.voices.store import VoiceLimitReached, VoiceNotFound, VoiceStore
 
 RATE_HZ = 16000
 KEY = "secret-key-for-the-store-test"

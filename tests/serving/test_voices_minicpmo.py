@@ -32,7 +32,7 @@ import pytest
 import soundfile as sf
 
 from serve_app.engines.base import SpeechRequest
-from serve_app.voices import owner_of_key
+from serve_app.voices.clip import owner_of_key
 from tests.serving.conftest import Server, speak_word_by_word, wait_ready
 from tests.serving.test_minicpmo_app import engine_options
 from tests.serving.test_web_page import CHROMIUM_ARGS, chromium_path
@@ -63,8 +63,8 @@ def deploy(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voi
     from ray import serve
 
     from serve_app.config import BatchingConfig
-    from serve_app.ingress import Ingress
-    from serve_app.synthesizer import Synthesizer
+    from serve_app.front.ingress import Ingress
+    from serve_app.gpu.synthesizer import Synthesizer
 
     options, api = voices_app_args(store, checkpoint, max_engine_voices)
     small = {"num_cpus": 0.05}
@@ -167,7 +167,7 @@ def engine_reference(apps: VoicesApps, voice_id: str) -> tuple[np.ndarray, np.nd
     """In this process, from the same clip: the engine's embeddings, TEXT in the voice and
     TEXT in the default voice (float samples)."""
     from serve_app.engines.minicpmo import MiniCPMOEngine
-    from serve_app.voices import decode_clip
+    from serve_app.voices.clip import decode_clip
 
     engine = MiniCPMOEngine.from_options(**engine_options(apps.checkpoint, voices=True))
     try:

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 import torch
 
-from ...text_rule import MAX_TEXT_CHARS, check_text
+from ..text_rule import MAX_TEXT_CHARS, check_text
 from ..base import (
     TEXT_INPUTS,
     AudioChunk,
@@ -219,7 +219,7 @@ class MiniCPMOEngine(SubmitsIterators):
             raise InvalidRequestError("streamed text input needs mode 'read'", "text_input",
                                       code="unsupported_text_input")
         if not streamed:
-            check_text(text)  # the shared rule (serve_app.text_rule)
+            check_text(text)  # the shared rule (serve_app.engines.text_rule)
         elif len(text) > MAX_TEXT_CHARS:
             raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters", "text",
                                       code="text_too_long")

@@ -22,7 +22,7 @@ Streaming and batching:
   and clause marks, commas included, and within 100 characters without one).
 - Output is float32 at the voice's native rate (22050 Hz), peak-normalized per piece like piper's
   own ``PiperVoice.synthesize``; resampling is the encoder's job.
-- Text: the shared rule (``serve_app.text_rule``) first; then ``validate`` phonemizes the text
+- Text: the shared rule (``serve_app.engines.text_rule``) first; then ``validate`` phonemizes the text
   (cached for the step that follows) and refuses with ``nothing_to_speak`` a text espeak-ng finds
   nothing to say in (``"..."``, ``"—"``), which would otherwise stream no audio at all.
 """
@@ -62,7 +62,7 @@ from serve_app.engines.piper.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.faults import FaultInjection, crash_process
 from serve_app.engines.piper.piper_voice import load_voice, phoneme_pieces, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
-from serve_app.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
+from serve_app.engines.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
 
 logger = logging.getLogger(__name__)
 

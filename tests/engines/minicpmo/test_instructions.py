@@ -72,7 +72,7 @@ def test_instructions_change_the_speaker_embedding_and_the_audio(engine):
 
 
 def test_usage_counts_the_instructions_tokens(engine):
-    from serve_app.usage import stream_usage
+    from serve_app.gpu.usage import stream_usage
 
     plain = stream_usage(engine, SpeechRequest("a", TEXT), TEXT, samples=2048)
     directed = stream_usage(engine, SpeechRequest("b", TEXT, system_prompt=INSTRUCTIONS), TEXT,

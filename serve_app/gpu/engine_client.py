@@ -1,4 +1,4 @@
-"""The synthesizer replica's side of the engine process (:mod:`serve_app.engine_process`).
+"""The synthesizer replica's side of the engine process (:mod:`serve_app.gpu.engine_process`).
 
 :meth:`EngineClient.start` launches the engine in a child process and waits until it has loaded
 and warmed up. After that every call is asynchronous and cheap for the replica: one reader thread
@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
-from serve_app import engine_wire
+from serve_app.gpu import engine_wire
 from serve_app.engines.base import AudioChunk, EngineError, EngineStats, SpeechRequest
 from serve_app.messages import StreamUsage
 
@@ -126,7 +126,7 @@ class EngineClient:
         # The child imports serve_app from wherever this process found it.
         env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
         process = subprocess.Popen(
-            [sys.executable, "-m", "serve_app.engine_process", str(theirs.fileno())],
+            [sys.executable, "-m", "serve_app.gpu.engine_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, close_fds=True)
         theirs.close()
         conn = Connection(ours.detach())

@@ -2,7 +2,7 @@
 ``@serve.ingress``).
 
 Routes, auth, validation, and the streamed reply: it opens the synthesizer stream, resamples and
-encodes each chunk, and ships the bytes (HTTP body, SSE, WebSocket; :mod:`serve_app.stream_open`).
+encodes each chunk, and ships the bytes (HTTP body, SSE, WebSocket; :mod:`serve_app.front.stream_open`).
 Every check happens here or in the engine's ``validate`` (reached through the synthesizer
 stream's first item) before the engine schedules anything, and every error leaves as
 OpenAI-style JSON. In front of its replicas Ray's HAProxy balances connections (leastconn), so no
@@ -27,12 +27,12 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import __version__, errors
-from serve_app.api_docs import mount_offline_docs
+from serve_app.front.api_docs import mount_offline_docs
 from serve_app.audio import CONTENT_TYPES, check_format_rate
 from serve_app.config import ApiConfig
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.errors import ApiError
-from serve_app.guard import (
+from serve_app.front.guard import (
     JSON_MEDIA_TYPE,
     REQUEST_ID_HEADER,
     KeyRing,
@@ -40,21 +40,20 @@ from serve_app.guard import (
     StreamAdmission,
     json_error,
 )
-from serve_app.events import SSE_MEDIA_TYPE, sse_body
+from serve_app.front.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.hops import as_cancellation, is_cancellation
-from serve_app.logs import use_replica_log
+from serve_app.observability.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
-from serve_app.metrics import EncoderMetrics, IngressMetrics
-from serve_app.schemas import NativeSpeechBody, OpenAISpeechBody
-from serve_app.speech_socket import router as speech_socket_router
-from serve_app.stream_open import open_stream
-from serve_app.text_rule import check_text
-from serve_app.voices import (
+from serve_app.observability.metrics import EncoderMetrics, IngressMetrics
+from serve_app.front.schemas import NativeSpeechBody, OpenAISpeechBody
+from serve_app.front.speech_socket import router as speech_socket_router
+from serve_app.front.stream_open import open_stream
+from serve_app.engines.text_rule import check_text
+from serve_app.voices.clip import check_name, decode_clip
+from serve_app.voices.store import (
     VoiceLimitReached,
     VoiceNotFound,
     VoiceStore,
-    check_name,
-    decode_clip,
     resolve_voice,
     store_call,
 )
@@ -87,7 +86,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
                     param=param, code="invalid_value")
 
 
-# /docs and /redoc with their assets served by the app itself, not a CDN (serve_app/api_docs.py):
+# /docs and /redoc with their assets served by the app itself, not a CDN (serve_app/front/api_docs.py):
 # they render on a cluster without internet. Like every path outside /v1/, they need no key.
 api_app = FastAPI(
     title="Speech serving API",
@@ -183,7 +182,7 @@ async def _body(first: bytes, pieces: AsyncIterator[bytes | ApiError],
 @functools.cache
 def _web_page() -> str:
     """The static page (HTML, CSS and JS in one file, no external resources), read once."""
-    return (resources.files("serve_app") / "web" / "index.html").read_text("utf-8")
+    return (resources.files("serve_app.front") / "web" / "index.html").read_text("utf-8")
 
 
 def _request_id(http: Request) -> str:
@@ -437,7 +436,7 @@ class Ingress:
         return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
 
     def _checked_text(self, text: str, param_names: dict[str, str] | None = None) -> str:
-        """The text under the shared rule (serve_app.text_rule), or a 400 naming the route's
+        """The text under the shared rule (serve_app.engines.text_rule), or a 400 naming the route's
         field."""
         try:
             return check_text(text, self._api.max_input_chars)

@@ -1,8 +1,8 @@
 """Synthesizer deployment: owns the engine and admits requests into it in ``@serve.batch`` batches.
 
-The engine runs in a process of its own (:mod:`serve_app.engine_process`), so nothing this
+The engine runs in a process of its own (:mod:`serve_app.gpu.engine_process`), so nothing this
 replica does for Ray and HTTP (relaying chunks, pickling them, metrics) competes with the
-engine's step thread for the GIL; :class:`~serve_app.engine_client.EngineClient` is this side.
+engine's step thread for the GIL; :class:`~serve_app.gpu.engine_client.EngineClient` is this side.
 
 The batch is admission only: requests that arrive together are submitted to the engine as one
 batch (their prefills share a pass), and each request gets its own stream back at once. How many
@@ -13,7 +13,7 @@ and change live through ``user_config`` (:meth:`Synthesizer.reconfigure`).
 Cloned voices: :meth:`Synthesizer.embed_voice` turns a new voice's clip into embeddings (once,
 at registration; the ingress stores them). A request for a stored voice first makes sure this
 replica's engine has it (:meth:`Synthesizer._ensure_voice_loaded`, reading the embeddings from
-the :class:`~serve_app.voices.VoiceStore`); the engine may evict it later, and a refusal with
+the :class:`~serve_app.voices.store.VoiceStore`); the engine may evict it later, and a refusal with
 ``voice_not_found`` loads it again. Those two methods are the only engine calls for voices.
 """
 
@@ -31,9 +31,9 @@ import numpy as np
 from ray import serve
 
 from serve_app import errors
-from serve_app.autoscaling import engine_signals
+from serve_app.gpu.autoscaling import engine_signals
 from serve_app.config import DEFAULT_VOICE_STORE, BatchingConfig
-from serve_app.engine_client import EngineClient, EngineDeadError
+from serve_app.gpu.engine_client import EngineClient, EngineDeadError
 from serve_app.engines.base import (
     AudioChunk,
     EngineOverloadedError,
@@ -44,11 +44,12 @@ from serve_app.engines.base import (
 )
 from serve_app.errors import ApiError
 from serve_app.hops import StreamTimeout, within
-from serve_app.logs import use_replica_log
+from serve_app.observability.logs import use_replica_log
 from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
-from serve_app.metrics import SynthesizerMetrics
-from serve_app.routing import ROUTER_PATH
-from serve_app.voices import VoiceNotFound, VoiceStore, is_voice_id
+from serve_app.observability.metrics import SynthesizerMetrics
+from serve_app.gpu.routing import ROUTER_PATH
+from serve_app.voices.clip import is_voice_id
+from serve_app.voices.store import VoiceNotFound, VoiceStore
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class Synthesizer:
     async def feed_text(self, request_id: str, delta: str, done: bool = False, *,
                         pinned_replica: str) -> ApiError | None:
         """Append text to a streamed-input request of this replica's engine (routed here by
-        :class:`~serve_app.routing.PinnedReplicaRouter`); a refusal comes back as an ApiError."""
+        :class:`~serve_app.gpu.routing.PinnedReplicaRouter`); a refusal comes back as an ApiError."""
         if pinned_replica != serve.get_replica_context().replica_id.unique_id:
             logger.error("request %s: text for replica %s reached another", request_id,
                          pinned_replica)
@@ -377,7 +378,7 @@ class Synthesizer:
         return self._ready
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """What the Synthesizer's autoscaling policy reads (serve_app/autoscaling.py): streams
+        """What the Synthesizer's autoscaling policy reads (serve_app/gpu/autoscaling.py): streams
         waiting, slot occupancy, step time over its real-time budget since the last report."""
         stats = self._engine.stats()
         signals = engine_signals(stats, self._stats_at_last_report,

@@ -32,7 +32,7 @@ from serve_app import errors
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
 from serve_app.hops import StreamTimeout, as_cancellation, is_cancellation
-from serve_app.voices import SHARED_OWNER, owner_of_key
+from serve_app.voices.clip import SHARED_OWNER, owner_of_key
 
 logger = logging.getLogger("serve_app.requests")
 

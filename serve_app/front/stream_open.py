@@ -27,7 +27,7 @@ from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
 from serve_app.hops import HOP_MARGIN_S, as_cancellation, is_cancellation, relay_error, within
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
-from serve_app.metrics import EncoderMetrics
+from serve_app.observability.metrics import EncoderMetrics
 
 StreamItem = bytes | EncodedChunk | StreamUsage | TextInputOpen | ApiError
 

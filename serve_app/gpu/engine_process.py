@@ -5,12 +5,12 @@ Ray pickles each streamed item, the metrics pusher and the handle machinery run 
 of it shares one GIL with the engine's step thread, and at a GPU's full load that starved the
 step thread (docs/benchmarks/served-h100.json: the synthesizer process at 90-100 % of a core).
 vLLM splits its API server from its EngineCore process for the same reason. Here the replica
-keeps the Ray and HTTP side (:mod:`serve_app.engine_client`), and this process keeps the engine:
+keeps the Ray and HTTP side (:mod:`serve_app.gpu.engine_client`), and this process keeps the engine:
 its step thread competes only with this module's two small threads and its event loop, and no
 chunk passes through that loop: the engine hands each step's output to the sender thread.
 
 Messages (tuples on a :class:`multiprocessing.connection.Connection`, their audio out of band:
-:mod:`serve_app.engine_wire`):
+:mod:`serve_app.gpu.engine_wire`):
 
 - replica -> engine: ``(name, options)`` first; then ``("call", call_id, method, args)``
   (``submit``, ``feed_text``, ``stats``, ...), ``("abort", request_id)``, ``("close",)``.
@@ -26,7 +26,7 @@ thread here holds the GIL for long while streams run, so the step thread never w
 get it back after a GPU sync. A closed socket means the replica is gone: this process exits at once (the GPU memory
 goes with it).
 
-Run as ``python -m serve_app.engine_process FD`` by :class:`~serve_app.engine_client.EngineClient`.
+Run as ``python -m serve_app.gpu.engine_process FD`` by :class:`~serve_app.gpu.engine_client.EngineClient`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from serve_app import engine_wire
+from serve_app.gpu import engine_wire
 from serve_app.engines.base import (
     AudioChunk,
     Engine,
@@ -53,9 +53,9 @@ from serve_app.engines.base import (
     SpeechRequest,
 )
 from serve_app.engines.registry import create_engine
-from serve_app.usage import stream_usage
+from serve_app.gpu.usage import stream_usage
 
-logger = logging.getLogger("serve_app.engine_process")
+logger = logging.getLogger("serve_app.gpu.engine_process")
 
 # The step thread gives up the GIL at every GPU sync and must get it back at once; Python's
 # default switch interval (5 ms) would let this process's other threads hold it that long.

@@ -32,14 +32,14 @@ from serve_app.audio import check_format_rate
 from serve_app.config import ApiConfig
 from serve_app.engines.base import SpeechRequest
 from serve_app.errors import ApiError
-from serve_app.events import chunk_fields, error_event, stream_error_event
-from serve_app.guard import KeyRing, StreamAdmission
+from serve_app.front.events import chunk_fields, error_event, stream_error_event
+from serve_app.front.guard import KeyRing, StreamAdmission
 from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
-from serve_app.routing import PIN_KEYWORD
-from serve_app.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
-from serve_app.stream_open import open_stream
-from serve_app.voices import resolve_voice
+from serve_app.gpu.routing import PIN_KEYWORD
+from serve_app.front.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
+from serve_app.front.stream_open import open_stream
+from serve_app.voices.store import resolve_voice
 
 logger = logging.getLogger(__name__)
 

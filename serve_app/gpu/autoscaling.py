@@ -26,7 +26,7 @@ no reports at all it falls back on Serve's own rule, ongoing requests over
 ``target_ongoing_requests``.
 
 Named in ``serve_config.yaml`` as the Synthesizer's ``autoscaling_config.policy``
-(``policy_function: serve_app.autoscaling:EngineQueuePolicy``, ``policy_kwargs``). No Ray
+(``policy_function: serve_app.gpu.autoscaling:EngineQueuePolicy``, ``policy_kwargs``). No Ray
 import here: the controller calls it with Serve's ``AutoscalingContext``, tests with their own.
 """
 

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from serve_app.errors import ApiError
 from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, StreamUsage
-from serve_app.metrics import IngressMetrics
+from serve_app.observability.metrics import IngressMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serve_app.audio import SAMPLE_RATES_HZ
 
-# The text's length and content are checked by the ingress under serve_app.text_rule, against
+# The text's length and content are checked by the ingress under serve_app.engines.text_rule, against
 # api.max_input_chars (a schema cap here would override the configured limit).
 _TEXT = ("Text to speak: at most api.max_input_chars characters (default 4096) once control, "
          "format and unassigned characters are removed; something to speak must be left")

@@ -16,7 +16,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 PIN_KEYWORD = "pinned_replica"
-ROUTER_PATH = "serve_app.routing.PinnedReplicaRouter"
+ROUTER_PATH = "serve_app.gpu.routing.PinnedReplicaRouter"
 
 
 def pinned_replica(request: PendingRequest | None) -> Any:

@@ -1,0 +1,1 @@
+"""What the service tells operators: Prometheus metrics and the replicas' logs."""
