@@ -67,6 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLE_RATE = 24_000
 FRAMES_PER_SECOND = 46.875
+# Single-stream TTFB: the median of this many one-stream runs (after one warm-up).
+SINGLE_STREAM_RUNS = 7
 READ_TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving. "
              "The weather today is sunny and warm, and I hope you have a wonderful day ahead. ")
 CHAT_TEXT = "Tell me something nice about the sea."
@@ -414,7 +416,8 @@ def measure_variant(model, args, label: str) -> dict:
     single, sweep, best, by_arrival = {}, [], {}, {}
     for mode in args.modes:
         asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
-        runs = [asyncio.run(run_level(engine, mode, 1, "burst", args)) for _ in range(3)]
+        runs = [asyncio.run(run_level(engine, mode, 1, "burst", args))
+                for _ in range(SINGLE_STREAM_RUNS)]
         single[mode] = {"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
                         "rtf": statistics.median(r["rtf_p50"] for r in runs)}
         for concurrency in [c for c in levels[mode] if c > 1]:
@@ -610,7 +613,8 @@ def main() -> None:
         base = {}
         for mode in args.modes:
             asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
-            runs = [asyncio.run(run_level(engine, mode, 1, "burst", args)) for _ in range(3)]
+            runs = [asyncio.run(run_level(engine, mode, 1, "burst", args))
+                    for _ in range(SINGLE_STREAM_RUNS)]
             single = {"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
                       "rtf": statistics.median(r["rtf_p50"] for r in runs)}
             single["max_realtime_streams"] = 1 if all(r["ok"] for r in runs) else 0
