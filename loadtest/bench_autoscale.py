@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ramp-down-s", type=float, default=10.0)
     parser.add_argument("--low-s", type=float, default=100.0)
     parser.add_argument("--audio-seconds", type=float, default=10.0)
+    parser.add_argument("--target-occupancy", type=float, default=0.75,
+                        help="the policy's target slot occupancy (serve_config.yaml: 0.75)")
+    parser.add_argument("--target-step-budget", type=float, default=0.6,
+                        help="the policy's target step budget (serve_config.yaml: 0.6)")
     parser.add_argument("--upscale-delay-s", type=float, default=15.0)
     parser.add_argument("--downscale-delay-s", type=float, default=30.0)
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -118,7 +122,8 @@ def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
             "upscale_delay_s": args.upscale_delay_s, "downscale_delay_s": args.downscale_delay_s,
             "look_back_period_s": 10.0, "metrics_interval_s": 1.0,
             "policy": {"policy_function": POLICY,
-                       "policy_kwargs": {"target_occupancy": 0.75, "target_step_budget": 0.6}}}
+                       "policy_kwargs": {"target_occupancy": args.target_occupancy,
+                                         "target_step_budget": args.target_step_budget}}}
         deployment["graceful_shutdown_timeout_s"] = 120
     return config
 
