@@ -1,4 +1,5 @@
-"""Who runs: the admission queue, the running streams, their TTS and LLM slots, and aborts.
+"""Who runs: the admission queue, the running streams, their TTS and LLM slots, aborts, and the
+token budget of each step's admission (:class:`PrefillBudget`).
 
 Streams are plain records (no tensors: per-slot tensors live in the runner, indexed by slot).
 Callers' threads (submit, abort, stats) and the step thread meet here under one lock.
@@ -20,6 +21,7 @@ from ..base import (
     SpeechRequest,
 )
 from ..streamed_text import StreamedText, unknown_stream
+from .device.runner import pass_fits
 from .joiner import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
@@ -79,6 +81,28 @@ class Stream:
     @property
     def request_id(self) -> str:
         return self.plan.request.request_id
+
+
+@dataclass
+class PrefillBudget:
+    """How much one step admits: prompts while they fit one LLM prefill pass of ``max_tokens``
+    padded tokens (rows x the longest prompt) and ``max_prompts`` rows; the first always fits.
+    A larger admission spreads over the next steps instead of stalling this one, as vLLM's token
+    budget per step does."""
+
+    max_prompts: int
+    max_tokens: int
+    prompts: list[list[int]] = field(default_factory=list)  # those taken, in admission order
+    longest: int = 0  # of ``prompts``: the pass is len(prompts) x longest tokens
+
+    def take(self, ids: list[int]) -> bool:
+        """Take the prompt ``ids`` into the pass if it still fits."""
+        if len(self.prompts) >= self.max_prompts or not pass_fits(
+                len(self.prompts) + 1, max(self.longest, len(ids)), self.max_tokens):
+            return False
+        self.prompts.append(ids)
+        self.longest = max(self.longest, len(ids))
+        return True
 
 
 class Scheduler:
@@ -180,6 +204,12 @@ class Scheduler:
                 admitted.append(stream)
                 self.active[stream.request_id] = stream
         return admitted
+
+    def admit_within(self, step: int, budget: PrefillBudget,
+                     prompt_ids: Callable[[Stream], list[int]]) -> list[Stream]:
+        """:meth:`admit` within the step's token budget: queued streams get slots while their
+        prompts (``prompt_ids``) fit ``budget``, which then holds the prompts to prefill."""
+        return self.admit(step, lambda stream: budget.take(prompt_ids(stream)))
 
     def free_llm_slot(self, stream: Stream) -> None:
         with self.lock:

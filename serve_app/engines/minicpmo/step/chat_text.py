@@ -1,0 +1,104 @@
+"""The LLM side of a step: chat streams' text, one token per stream per LLM step, run in the
+step (:meth:`ChatTextSteps.decode`) or, with ``overlap_llm_step``, launched beside the audio
+window and collected after it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..chat import ChatText
+from ..device.runner import ModelRunner
+from ..options import EngineOptions
+from ..scheduler import Scheduler, Stream
+from ..speech_schedule import Phase
+
+
+@dataclass(slots=True)
+class LaunchedText:
+    """An LLM step queued on the device for ``streams``; its tokens are read later."""
+
+    streams: list[Stream]
+    launched: object  # the runner's handle (ModelRunner.llm_launch)
+
+
+def waiting_for_text(streams: Sequence[Stream]) -> bool:
+    """Some stream's speech waits for its next piece of text."""
+    return any(not s.pieces and not s.text_done and s.schedule.phase is Phase.WAITING_TEXT
+               for s in streams)
+
+
+class ChatTextSteps:
+    """The chat streams' LLM steps and the tokens they give (into :class:`ChatText`)."""
+
+    def __init__(self, options: EngineOptions, scheduler: Scheduler, runner: ModelRunner,
+                 chat: ChatText) -> None:
+        self.options = options
+        self.scheduler = scheduler
+        self.runner = runner
+        self.chat = chat
+
+    def rows(self) -> list[Stream]:
+        """Chat streams that want their next LLM token: text not done, below the lookahead."""
+        return [s for s in self.scheduler.running()
+                if s.plan.is_chat and not s.text_done and s.llm_slot >= 0
+                and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+
+    def launch(self) -> LaunchedText | None:
+        """With ``overlap_llm_step``, when audio is generated this step: one LLM step launched
+        now, beside the audio window, and collected after it (:meth:`collect`), or, while a chat
+        stream's speech waits for text, right after the window is queued, with more steps beside
+        the window (:meth:`beside_window`)."""
+        if not self.options.overlap_llm_step:
+            return None
+        streams = self.rows()
+        if not streams:
+            return None
+        if not any(s.schedule is not None and s.schedule.phase is Phase.GENERATING
+                   for s in self.scheduler.running()):
+            return None
+        launched = self.runner.llm_launch([s.llm_slot for s in streams], self.chat.inputs(streams))
+        return LaunchedText(streams, launched)
+
+    def collect(self, text: LaunchedText) -> None:
+        """The launched LLM step's tokens (waits for them)."""
+        self._take_tokens(text.streams, self.runner.llm_collect(text.launched))
+
+    def beside_window(self, text: LaunchedText) -> None:
+        """The launched LLM step's tokens, then, while a stream's speech waits for text, more
+        steps (up to ``steps_per_sync`` in all), each launched beside the audio window queued
+        last: the running streams' audio is not held up by text that only the waiting streams
+        need now (their pieces are read next step)."""
+        self.collect(text)
+        for _ in range(self.options.steps_per_sync - 1):
+            streams = self.rows()
+            if not streams or not waiting_for_text(streams):
+                return
+            self.collect(LaunchedText(streams, self.runner.llm_launch(
+                [s.llm_slot for s in streams], self.chat.inputs(streams), beside_window=True)))
+
+    def decode(self) -> None:
+        """One batched LLM step for every chat stream below its lookahead; more steps (up to
+        ``steps_per_sync``) while a stream's speech waits for its next piece."""
+        for _ in range(self.options.steps_per_sync):
+            streams = self.rows()
+            if not streams:
+                return
+            self._take_tokens(streams, self.runner.llm_step([s.llm_slot for s in streams],
+                                                            self.chat.inputs(streams)))
+            if not waiting_for_text(streams):
+                return
+
+    def accept_token(self, stream: Stream, token: int) -> None:
+        """A token into the stream's text; the stream's LLM slot is freed when its text ends."""
+        if self.chat.accept(stream, token):
+            self.scheduler.free_llm_slot(stream)
+
+    def _take_tokens(self, streams: list[Stream], tokens: list[int]) -> None:
+        """One LLM step's tokens into its streams (one whose LLM slot was freed since, when the
+        step was launched earlier in the engine step, takes none)."""
+        self.scheduler.count(llm_steps=1)
+        for stream, token in zip(streams, tokens):
+            stream.llm_len += 1
+            if stream.llm_slot >= 0:
+                self.accept_token(stream, token)

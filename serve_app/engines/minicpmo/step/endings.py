@@ -1,0 +1,58 @@
+"""How streams end: completed (the joiner's tail with the final chunk), failed or aborted. Each
+frees the stream's slots and its voice; what it sends waits in the step's outbox, delivered
+when the step ends (or when the step delivers its audio)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...base import Outbox, RequestAbortedError
+from ..options import EngineOptions
+from ..output import emit, send
+from ..scheduler import Scheduler, Stream
+from ..speech_schedule import SpeechSchedule
+from ..voices import VoiceTable
+
+
+class StreamEndings:
+    """Ends streams for the step thread; ``outbox`` holds the step's chunks and errors."""
+
+    def __init__(self, options: EngineOptions, scheduler: Scheduler, voices: VoiceTable) -> None:
+        self.options = options
+        self.scheduler = scheduler
+        self.voices = voices
+        self.outbox = Outbox()  # this step's chunks and errors, delivered when it ends
+        self.traces: dict[str, SpeechSchedule] = {}  # with ``keep_traces``: finished schedules
+
+    def complete(self, stream: Stream) -> None:
+        """The stream spoke all it will: its last audio and the final chunk."""
+        if self.options.keep_traces and stream.schedule is not None:
+            self.traces[stream.request_id] = stream.schedule
+        tail = stream.joiner.finish() if stream.joiner is not None else np.zeros(0, np.float32)
+        self.scheduler.release(stream)
+        self._release_voice(stream)
+        emit(self.outbox, stream, tail, final=True)
+        stream.done = True
+        self.scheduler.count(completed=1)
+
+    def fail(self, stream: Stream, error: BaseException) -> None:
+        """The stream ends with ``error`` (nothing if it has ended already)."""
+        if stream.done:
+            return
+        self.scheduler.release(stream)
+        self._release_voice(stream)
+        stream.done = True
+        self.scheduler.count(failed=1)
+        send(self.outbox, stream, error)
+
+    def end_aborted(self) -> None:
+        """End the streams aborted since the last step (queued or running)."""
+        for stream in self.scheduler.take_aborted():
+            self._release_voice(stream)
+            stream.done = True
+            send(self.outbox, stream, RequestAbortedError("aborted"))
+
+    def _release_voice(self, stream: Stream) -> None:
+        """The stream no longer holds its voice (the table may drop it again)."""
+        self.voices.release([stream.voice])
+        stream.voice = None
