@@ -16,11 +16,20 @@ from serve_app.gpu.synthesizer import Synthesizer
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
-    """Bind the two deployments; the batching knobs become the synthesizer's user_config."""
+    """Bind the two deployments; the batching knobs become the synthesizer's user_config.
+
+    The arguments are checked here, engine_options included, so a bad config fails ``serve
+    run`` before any replica starts. The Synthesizer takes as many requests at once
+    (``max_ongoing_requests``) as its engine has slots (:attr:`AppArgs.max_slots`): more would
+    only wait in the engine's queue, out of the router's sight, fewer would leave slots idle. A
+    ``max_ongoing_requests`` in the YAML's ``deployments`` section still wins (Serve applies
+    it over this one): set it there only to mean a different number (serve_config.cpu.yaml)."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     api = app_args.api
-    synthesizer = Synthesizer.options(user_config=app_args.batching.model_dump()).bind(
-        app_args.engine, app_args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
+    synthesizer = Synthesizer.options(
+        user_config=app_args.batching.model_dump(), max_ongoing_requests=app_args.max_slots,
+    ).bind(
+        app_args.engine, app_args.engine_kwargs(), first_chunk_timeout_s=api.first_chunk_timeout_s,
         chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s,
         voice_store=api.voice_store)
     return Ingress.bind(synthesizer, app_args.api.model_dump())

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from serve_app.engines.base import MAX_CLIP_S, MIN_CLIP_S
+from serve_app.engines.minicpmo.options import EngineOptions as MiniCPMOOptions
+from serve_app.engines.piper.options import PiperOptions
+from serve_app.engines.registry import ENGINE_OPTIONS
 from serve_app.engines.text_rule import MAX_TEXT_CHARS
 
 # Where voices live unless api.voice_store says otherwise: a local folder, fine for one machine.
@@ -112,15 +117,48 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: str = "piper"
-    # Passed to the engine factory as keyword arguments (MiniCPMOEngine.from_options(**options)).
-    engine_options: dict[str, Any] = Field(default_factory=dict)
+    # The engine's options, typed per engine (serve_app.engines.registry.ENGINE_OPTIONS):
+    # MiniCPM-o's EngineOptions for engine: minicpmo, PiperOptions for engine: piper. A typo'd
+    # name or a wrong type is refused here, when `serve run` builds the app; the engine gets
+    # them as keyword arguments (engine_kwargs: MiniCPMOEngine.from_options(**options)).
+    engine_options: MiniCPMOOptions | PiperOptions = Field(default_factory=PiperOptions)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
 
-    @model_validator(mode="after")
-    def _known_engine(self) -> "AppArgs":
-        from serve_app.engines.registry import ENGINES
+    @model_validator(mode="before")
+    @classmethod
+    def _options_of_the_engine(cls, data: Any) -> Any:
+        """``engine_options`` as the options of ``engine`` (not whichever class fits them)."""
+        if not isinstance(data, dict):
+            return data
+        engine = data.get("engine", "piper")
+        if engine not in ENGINE_OPTIONS:
+            raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINE_OPTIONS)}")
+        options_class = ENGINE_OPTIONS[engine]
+        raw = data.get("engine_options")
+        if isinstance(raw, options_class):
+            return data
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"engine_options of the {engine} engine must be a mapping of its "
+                             f"options ({options_class.__name__}), not {type(raw).__name__}")
+        try:
+            options = options_class.from_raw(raw or {})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, error['loc']))}: {error['msg']}" if error["loc"]
+                else error["msg"].removeprefix("Value error, ") for error in exc.errors())
+            raise ValueError(f"engine_options of the {engine} engine: {problems}") from None
+        except ValueError as exc:
+            raise ValueError(f"engine_options of the {engine} engine: {exc}") from None
+        return {**data, "engine_options": options}
 
-        if self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; known: {', '.join(ENGINES)}")
-        return self
+    @property
+    def max_slots(self) -> int:
+        """Streams the engine runs at once (its slots): MiniCPM-o's ``max_slots`` (read and
+        chat streams together; a chat stream holds one of them and an LLM slot), Piper's
+        ``max_batch_size``."""
+        return self.engine_options.max_slots
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The engine's options as the plain mapping its factory takes (the Synthesizer's)."""
+        return dataclasses.asdict(self.engine_options)

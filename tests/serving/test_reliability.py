@@ -82,7 +82,7 @@ def deploy(args: AppArgs, synth_replicas: int = 1) -> None:
         num_replicas=synth_replicas, max_ongoing_requests=SYNTH_MAX_ONGOING,
         max_queued_requests=SYNTH_MAX_QUEUED, graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": 0.2}, user_config=args.batching.model_dump(),
-    ).bind(args.engine, args.engine_options, first_chunk_timeout_s=api.first_chunk_timeout_s,
+    ).bind(args.engine, args.engine_kwargs(), first_chunk_timeout_s=api.first_chunk_timeout_s,
            chunk_timeout_s=api.chunk_timeout_s, drain_timeout_s=api.drain_timeout_s)
     ingress = Ingress.options(
         graceful_shutdown_timeout_s=30,

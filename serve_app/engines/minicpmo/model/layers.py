@@ -26,6 +26,8 @@ from transformers.models.llama.modeling_llama import (  # the math is transforme
     rotate_half,
 )
 
+from .names import ONE_QUERY_KERNELS
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -176,9 +178,6 @@ class SlotAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, row_keys, row_values, attn_mask=step.attend,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-ONE_QUERY_KERNELS = ("sdpa", "matmul", "flex")
 
 
 def set_one_query_attention(model: nn.Module, kernel: str) -> None:

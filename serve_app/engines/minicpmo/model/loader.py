@@ -26,11 +26,11 @@ from .audio_in import ClipEncoder
 from .codec import SpeechDecoder
 from .gptq import GPTQ_PARTS, GPTQConfig, dequantize_gptq_linear, gptq_int4_weight
 from .modeling import ModelConfig, QwenLM, SpeechTokenModel
+from .names import DEFAULT_MODEL_ID
 from .quantization import Int4Weight, quantize_decoder_layer, resolve_mode
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_ID = "openbmb/MiniCPM-o-2_6"
 SKIPPED_PREFIXES = ("vpm.", "resampler.")
 AUDIO_IN_PREFIXES = ("apm.", "audio_projection_layer.")
 # Files the speech path needs from a Hub snapshot (vision code and assets are skipped).

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .names import QUANTIZATION_MODES
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("none", "int8", "int4", "int4-tinygemm")
 INT4_GROUP_SIZE = 128
 
 

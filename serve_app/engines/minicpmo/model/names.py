@@ -1,0 +1,15 @@
+"""The model's choices by name, free of torch: what the engine's options
+(:mod:`~serve_app.engines.minicpmo.options`) check at ``serve run`` before any replica starts.
+The modules that act on them (loader, layers, quantization) import them from here."""
+
+from __future__ import annotations
+
+DEFAULT_MODEL_ID = "openbmb/MiniCPM-o-2_6"
+# decode-step attention of the TTS (layers.set_one_query_attention)
+ONE_QUERY_KERNELS = ("sdpa", "matmul", "flex")
+# the LLM linears (quantization.py)
+QUANTIZATION_MODES = ("none", "int8", "int4", "int4-tinygemm")
+# DVAE + Vocos weights and activations (the engine maps them to torch dtypes)
+DECODE_DTYPE_NAMES = ("float32", "bfloat16")
+# weights and activations of the LLM and the TTS; "auto": bfloat16 on CUDA, else float32
+MODEL_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
