@@ -15,7 +15,14 @@ from typing import Callable, Sequence
 
 from .model.codec import CONTEXT_FRAMES
 from .model.modeling import TTSConfig
-from .text import TTS_EOS_MARK, detect_language, has_speakable_text, sentence_end, spell_digits
+from .text import (
+    TTS_EOS_MARK,
+    cut_pieces,
+    detect_language,
+    has_speakable_text,
+    sentence_end,
+    spoken_form,
+)
 
 SEGMENT_TEXT_LIMIT_MARGIN = 180  # a new segment may start once L >= reserved - 180 (= 120)
 CARRY_TEXT_TOKENS = 5
@@ -70,6 +77,47 @@ class AudioStep:
     eos_after: int
     steps_left: int
     apply_warpers: bool
+
+
+def text_prefill(config: TTSConfig, stts_id: int, text_ids: list[int], begin: int,
+                 end: int) -> list[object]:
+    """The prefill of positions ``begin .. end-1`` of the text layout ``[Stts] [spk_emb]
+    t_1..t_L [Etts]`` (positions 0..L+2; no [Etts] when L is full), or none when empty."""
+    if end <= begin:
+        return []
+    layout = [stts_id, config.spk_emb_token_id] + text_ids
+    if len(text_ids) < config.streaming_text_reserved_len:
+        layout.append(config.text_eos_token_id)
+    return [TextPrefill(layout[begin:end], begin, with_speaker=begin == 0)]
+
+
+def chunk_prefill_range(config: TTSConfig, chunk_index: int) -> tuple[int, int]:
+    """The layout positions a text prefill writes once chunk ``chunk_index`` of the streamed
+    text is complete (the first also writes ``[Stts] [spk_emb]``)."""
+    chunk = config.streaming_text_chunk_size
+    if chunk_index == 0:
+        return 0, chunk + config.text_start
+    begin = chunk_index * chunk + config.text_start
+    return begin, min((chunk_index + 1) * chunk + config.text_start, config.condition_length - 1)
+
+
+def tail_prefill_range(config: TTSConfig, chunk_index: int, text_len: int) -> tuple[int, int]:
+    """The layout positions the text prefill of the tail writes: what ``chunk_index`` complete
+    chunks did not, up to ``[Etts]`` after ``text_len`` text tokens."""
+    c = config
+    begin = 0 if chunk_index == 0 else chunk_index * c.streaming_text_chunk_size + c.text_start
+    return begin, min(text_len + c.text_start + 1, c.condition_length - 1)
+
+
+def carried_segment_work(config: TTSConfig, stts_id: int, carried_text: list[int],
+                         carried_frames: list[tuple[int, ...]]) -> list[object]:
+    """A carried segment's first work: reset the stream's cache, prefill ``[Stts] [spk_emb]``
+    and the carried text, then ``[Ptts]`` and the carried frames."""
+    work: list[object] = ["reset_cache"]
+    work += [TextPrefill([stts_id, config.spk_emb_token_id] + list(carried_text), 0, True)]
+    if carried_frames:
+        work.append(CarryPrefill(carried_frames))
+    return work
 
 
 @dataclass
@@ -127,14 +175,6 @@ class SpeechSchedule:
         ids = self.tokenize(self.gen_text)
         self.text_ids = ids[: self.config.streaming_text_reserved_len]
 
-    def _layout_ids(self) -> list[int]:
-        """``[Stts] [spk_emb] t_1..t_L [Etts]`` (positions 0..L+2; no [Etts] when L is full)."""
-        c = self.config
-        layout = [self.stts_id, c.spk_emb_token_id] + self.text_ids
-        if self.text_len < c.streaming_text_reserved_len:
-            layout.append(c.text_eos_token_id)
-        return layout
-
     def accept_piece(self, piece: str) -> list[object]:
         """Consume one text piece; returns work to run (prefill + start of a call) or []."""
         assert self.phase is Phase.WAITING_TEXT
@@ -155,7 +195,7 @@ class SpeechSchedule:
             return []
         if self.piece_in_segment <= 2:
             self.language = detect_language(self.gen_text_raw)
-        added = self._spoken_form(piece)
+        added = spoken_form(piece, self.language)
         self.gen_text += added
         self.piece_log.append((piece, added))
         self._retokenize()
@@ -169,14 +209,8 @@ class SpeechSchedule:
                 self._retokenize()
                 self.pending_new_segment = True
                 return self._start_tail()
-        chunk = c.streaming_text_chunk_size
-        if self.text_len >= (self.chunk_index + 1) * chunk:
-            if self.chunk_index == 0:
-                begin, end = 0, chunk + c.text_start
-            else:
-                begin = self.chunk_index * chunk + c.text_start
-                end = min((self.chunk_index + 1) * chunk + c.text_start, c.condition_length - 1)
-            work = self._prefill(begin, end)
+        if self.text_len >= (self.chunk_index + 1) * c.streaming_text_chunk_size:
+            work = self._prefill(*chunk_prefill_range(c, self.chunk_index))
             self.chunk_index += 1
             self._start_call()
             return work
@@ -200,32 +234,15 @@ class SpeechSchedule:
         nothing new to speak, ``after`` is not where this segment's pieces end, or the cut would
         change text already prefilled."""
         assert self.phase is Phase.WAITING_TEXT
-        gen_text, raw, left = self.gen_text, self.gen_text_raw, ""
-        if after:
-            index, tail = len(self.piece_log), ""
-            while len(tail) < len(after) and index > 0:
-                index -= 1
-                tail = self.piece_log[index][0] + tail
-            if not tail.endswith(after) or not raw.endswith(after):
-                return None
-            piece_raw, piece_added = self.piece_log[index]
-            split = len(tail) - len(after)  # within piece_raw: its part before the cut
-            if piece_added == piece_raw:
-                rest = piece_raw[split:]
-            else:
-                head = self._spoken_form(piece_raw[:split])
-                rest = self._spoken_form(piece_raw[split:])
-                if head + rest != piece_added:
-                    return None
-            left = rest + "".join(added for _, added in self.piece_log[index + 1:])
-            if not gen_text.endswith(left):
-                return None
-            gen_text, raw = gen_text[:len(gen_text) - len(left)], raw[:len(raw) - len(after)]
+        cut = cut_pieces(self.piece_log, self.gen_text, self.gen_text_raw, after, self.language)
+        if cut is None:
+            return None
+        gen_text, raw, left = cut
         fresh = not self.first_piece_seen and not self.carried_segment
         language = self.language
         if piece and not fresh and self.piece_in_segment < 2:
             language = detect_language(raw + piece)
-        gen_text += piece if fresh else self._spoken_form(piece, language)
+        gen_text += piece if fresh else spoken_form(piece, language)
         if not has_speakable_text(gen_text[self.carry_chars:]):
             return None
         ids = self.tokenize(gen_text)[: self.config.streaming_text_reserved_len]
@@ -243,22 +260,12 @@ class SpeechSchedule:
         self.pending_new_segment = True
         return self._start_tail()
 
-    def _spoken_form(self, piece: str, language: str | None = None) -> str:
-        """A piece as it is added to ``gen_text`` after the first (digits spelled out)."""
-        return spell_digits(piece, language or self.language or "english").replace("*", "")
-
     def _prefill(self, begin: int, end: int) -> list[object]:
-        if end <= begin:
-            return []
-        layout = self._layout_ids()
-        return [TextPrefill(layout[begin:end], begin, with_speaker=begin == 0)]
+        return text_prefill(self.config, self.stts_id, self.text_ids, begin, end)
 
     def _start_tail(self) -> list[object]:
-        c = self.config
         self.in_tail = True
-        begin = 0 if self.chunk_index == 0 else self.chunk_index * c.streaming_text_chunk_size + c.text_start
-        end = min(self.text_len + c.text_start + 1, c.condition_length - 1)
-        work = self._prefill(begin, end)
+        work = self._prefill(*tail_prefill_range(self.config, self.chunk_index, self.text_len))
         self._start_call()
         return work
 
@@ -304,10 +311,7 @@ class SpeechSchedule:
                 self.stopped = limit_hit
                 return jobs + self._end_segment(allow_next=not limit_hit and self.in_tail)
             return jobs + self._end_segment(allow_next=True)
-        if self.in_tail and (len(self.segment_frames) > self.max_segment_frames or out_of_room):
-            self.stopped = True
-            return jobs + self._end_segment(allow_next=False)
-        if out_of_room:
+        if out_of_room or (self.in_tail and len(self.segment_frames) > self.max_segment_frames):
             self.stopped = True
             return jobs + self._end_segment(allow_next=False)
         if self.in_tail:
@@ -362,9 +366,5 @@ class SpeechSchedule:
         self.segment_started_fresh = True
         self.cache_len = c.audio_bos_position + len(carried_frames)
         self.phase = Phase.WAITING_TEXT
-        work: list[object] = ["reset_cache"]
-        work += [TextPrefill([self.stts_id, c.spk_emb_token_id] + list(carried_text), 0, True)]
-        if carried_frames:
-            work.append(CarryPrefill(carried_frames))
-        return work
+        return carried_segment_work(c, self.stts_id, carried_text, carried_frames)
 

@@ -1,7 +1,8 @@
 """Text handling of the MiniCPM-o speech path (docs/minicpmo.md, "Prompts" and "Text pieces").
 
 Pure functions with no model state: prompt building, cutting text into the pieces an LLM would
-stream, digit normalisation, sentence ends and the TTS text layout.
+stream, digit normalisation (a piece's spoken form), sentence ends, cutting a segment's text at a
+break and the TTS text layout.
 """
 
 from __future__ import annotations
@@ -53,6 +54,42 @@ def spell_digits(text: str, language: str) -> str:
             spoken = " ".join(_ENGLISH_DIGITS[d] for d in number if d in _ENGLISH_DIGITS)
         text = text.replace(number, spoken, 1)
     return text
+
+
+def spoken_form(piece: str, language: str | None) -> str:
+    """A piece as it is added to a segment's text after the first (digits spelled out in
+    ``language``, English when None; no ``*``)."""
+    return spell_digits(piece, language or "english").replace("*", "")
+
+
+def cut_pieces(pieces: Sequence[tuple[str, str]], text: str, raw: str, after: str,
+               language: str | None) -> tuple[str, str, str] | None:
+    """Cut a segment's text before the last ``after`` characters of its ``pieces`` (each as
+    received and as added to ``text``, :func:`spoken_form`; ``raw`` is the text as received):
+    ``(text, raw, left)`` up to the cut, and what the cut leaves of ``text`` for the next
+    segment. None when ``after`` is not where the pieces end, or the spoken form of the piece
+    the cut splits (digits spelled in ``language``) does not split there."""
+    if not after:
+        return text, raw, ""
+    index, tail = len(pieces), ""
+    while len(tail) < len(after) and index > 0:
+        index -= 1
+        tail = pieces[index][0] + tail
+    if not tail.endswith(after) or not raw.endswith(after):
+        return None
+    piece_raw, piece_added = pieces[index]
+    split = len(tail) - len(after)  # within piece_raw: its part before the cut
+    if piece_added == piece_raw:
+        rest = piece_raw[split:]
+    else:
+        head = spoken_form(piece_raw[:split], language)
+        rest = spoken_form(piece_raw[split:], language)
+        if head + rest != piece_added:
+            return None
+    left = rest + "".join(added for _, added in pieces[index + 1:])
+    if not text.endswith(left):
+        return None
+    return text[:len(text) - len(left)], raw[:len(raw) - len(after)], left
 
 
 def sentence_end(piece: str) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from ..model.layers import SlotKVCache, StepInputs, causal_attend
+from ..model.layers import FLEX_KEY_BLOCK, SlotKVCache, StepInputs, causal_attend
 from ..model.modeling import SpeechTokenModel, TTSConfig
 from .graphs import bucket_sizes, capture_per_bucket, shortest_span
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
@@ -193,6 +193,19 @@ def key_count_buckets(total: int) -> list[int]:
 def attention_span(x: AudioStepInputs, steps: int, spans: list[int]) -> int:
     """The shortest of ``spans`` that holds every row's last position in a window of ``steps``."""
     return shortest_span(spans, int(x.position.max()) + steps - 1)
+
+
+def window_key_reads(x: AudioStepInputs, rows: int, steps: int, span: int,
+                     visible_blocks: bool) -> int:
+    """Key positions a window of ``steps`` over ``rows`` rows (graph padding included) reads
+    at attention span ``span``. Attention that reads only the key blocks a row can see
+    (``visible_blocks``: flex) reads at most each stream's own blocks up to its last position
+    in the window, whatever the span. ``x`` on the CPU."""
+    if visible_blocks:
+        block = FLEX_KEY_BLOCK
+        last = (x.position + steps).clamp(max=span)
+        return int(((last + block - 1) // block * block).sum()) * steps
+    return rows * steps * span
 
 
 class AudioStepGraphs:

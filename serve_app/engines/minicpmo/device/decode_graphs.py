@@ -5,18 +5,20 @@ decode is a few hundred small kernels, so on a GPU it is bound by launches, not 
 stream's last piece has any length up to that; decoded eagerly, steps with 2-8 such pieces
 spent 43-133 ms decoding and emitting on an H100 at 256-448 read streams
 (docs/benchmarks/README.md), so those lengths have graphs too, for fewer pieces at once.
-Longer pieces fall back to the eager :meth:`SpeechDecoder.decode`.
+Longer pieces fall back to the eager :meth:`SpeechDecoder.decode`. :func:`queue_decode` runs
+either and sends the audio to the host (:class:`DecodedAudio`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..model.codec import NUM_CODEBOOKS, SpeechDecoder
 from .graphs import bucket_sizes, capture_per_bucket
-from .transfer import to_device
+from .transfer import HostCopy, to_device
 
 
 class DecodeGraphs:
@@ -87,3 +89,24 @@ class MultiLengthDecodeGraphs:
             for index, wave in zip(indices, decode([codes_list[i] for i in indices])):
                 results[index] = wave
         return results  # type: ignore[return-value]
+
+
+def queue_decode(decoder: SpeechDecoder | MultiLengthDecodeGraphs,
+                 frames: Sequence[list[list[int]]]) -> DecodedAudio:
+    """Queue DVAE + Vocos for each piece's code frames (one device-to-host copy of all the
+    audio); :meth:`DecodedAudio.wait` gives each piece as float32 audio."""
+    waves = decoder.decode([torch.tensor(f, dtype=torch.long) for f in frames])
+    offsets = np.cumsum([0] + [len(w) for w in waves])
+    return DecodedAudio(HostCopy(torch.cat([w.float() for w in waves])), offsets)
+
+
+class DecodedAudio:
+    """Decoded pieces on their way to the host (:func:`queue_decode`)."""
+
+    def __init__(self, audio: HostCopy, offsets: np.ndarray) -> None:
+        self._audio = audio
+        self._offsets = offsets
+
+    def wait(self) -> list[np.ndarray]:
+        flat = self._audio.wait().numpy()
+        return [flat[self._offsets[i]:self._offsets[i + 1]] for i in range(len(self._offsets) - 1)]

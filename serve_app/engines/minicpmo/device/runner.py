@@ -1,9 +1,10 @@
 """The model runner: the engine's device work, tensors in and tensors out.
 
 It owns the KV caches and a per-slot table of speaker embeddings, turns host-side work items
-into batched step inputs, and runs each step. :class:`ModelRunner` runs every step eagerly;
-:class:`GraphModelRunner` replays captured CUDA graphs where it can. :func:`create_runner`
-makes that choice once, when the engine starts.
+into batched step inputs, and runs each step (the steps themselves are plain functions over
+tensors: :mod:`.audio_step`, :mod:`.llm_step`, :mod:`.tts_prefill`, :mod:`.decode_graphs`).
+:class:`ModelRunner` runs every step eagerly; :class:`GraphModelRunner` replays captured CUDA
+graphs where it can. :func:`create_runner` makes that choice once, when the engine starts.
 """
 
 from __future__ import annotations
@@ -13,17 +14,10 @@ import logging
 import time
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from ..model.codec import CONTEXT_FRAMES
-from ..model.layers import (
-    FLEX_KEY_BLOCK,
-    SlotKVCache,
-    StepInputs,
-    fuse_projections,
-    set_one_query_attention,
-)
+from ..model.layers import SlotKVCache, fuse_projections, set_one_query_attention
 from ..model.loader import LoadedModel
 from ..model.quantization import warm_up_int4_kernels
 from ..options import EngineOptions, clones_voices
@@ -36,12 +30,12 @@ from .audio_step import (
     AudioStepInputs,
     TextPrefillGraphs,
     attention_span,
-    audio_visibility,
     audio_window,
     key_count_buckets,
     text_prefill_step,
+    window_key_reads,
 )
-from .decode_graphs import MultiLengthDecodeGraphs
+from .decode_graphs import DecodedAudio, MultiLengthDecodeGraphs, queue_decode
 from .llm_step import (
     LLMPrefillGraphs,
     LLMStepGraphs,
@@ -52,6 +46,7 @@ from .llm_step import (
     write_prefixes,
 )
 from .transfer import HostCopy, device_tensor, to_device
+from .tts_prefill import carry_prefill, text_prefill_passes
 
 logger = logging.getLogger(__name__)
 
@@ -244,33 +239,10 @@ class ModelRunner:
         """Batched text prefills (TTS slot, work item): items of up to :data:`PREFILL_TOKENS`
         tokens in passes of that width, longer ones in passes of :data:`LONG_PREFILL_TOKENS`
         (causal, so a long prefill split in passes writes exactly what one pass would)."""
-        short = [(slot, item) for slot, item in items if len(item.token_ids) <= PREFILL_TOKENS]
-        long = [(slot, item) for slot, item in items if len(item.token_ids) > PREFILL_TOKENS]
-        for group, width in ((short, PREFILL_TOKENS), (long, LONG_PREFILL_TOKENS)):
-            if group:
-                self._text_prefill_passes(group, width)
-
-    def _text_prefill_passes(self, items: Sequence[tuple[int, TextPrefill]], width: int) -> None:
-        cfg = self.model.config.tts
-        passes = max((len(item.token_ids) + width - 1) // width for _, item in items)
-        for index in range(passes):
-            batch = [(slot, item) for slot, item in items if len(item.token_ids) > index * width]
-            ids = np.zeros((len(batch), width), dtype=np.int64)
-            positions = np.zeros((len(batch), width), dtype=np.int64)
-            valid = np.zeros((len(batch), width), dtype=bool)
-            speaker_at = np.zeros((len(batch), width), dtype=bool)
-            for row, (_, item) in enumerate(batch):
-                part = item.token_ids[index * width:(index + 1) * width]
-                start = item.start + index * width
-                ids[row, :len(part)] = part
-                positions[row, :len(part)] = np.arange(start, start + len(part))
-                valid[row, :len(part)] = True
-                if item.with_speaker:
-                    speaker_at[row, :len(part)] = np.asarray(part) == cfg.spk_emb_token_id
-            slots = [slot for slot, _ in batch]
+        spk_id = self.model.config.tts.spk_emb_token_id
+        for slots, ids, positions, valid, speaker_at in text_prefill_passes(items, spk_id):
             speaker = self.speakers[device_tensor(slots, self.device)]
-            self._text_prefill_pass(slots, *(torch.from_numpy(a) for a in (ids, positions, valid)),
-                                    speaker, torch.from_numpy(speaker_at))
+            self._text_prefill_pass(slots, ids, positions, valid, speaker, speaker_at)
 
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
@@ -287,21 +259,8 @@ class ModelRunner:
     def carry_prefill(self, slot: int, frames: list[list[int]], text_len: int) -> None:
         """``[Ptts]`` and the carried frames (all but the last) into a new segment's cache."""
         self.work.update(carry_prefills=1, carry_prefill_tokens=len(frames))
-        tts = self.model.tts
-        cfg = self.model.config.tts
-        codes = torch.tensor(frames[:-1], dtype=torch.long, device=self.device).view(-1, cfg.num_vq)
-        bos = tts.emb_text(torch.tensor([cfg.audio_bos_token_id], device=self.device))
-        embeds = torch.cat([bos, tts.code_embedding(codes)], dim=0)[None]
-        count = embeds.shape[1]
-        positions = torch.arange(cfg.audio_bos_position, cfg.audio_bos_position + count,
-                                 device=self.device)[None]
-        keys = torch.arange(self.tts_cache.max_positions + 1, device=self.device)
-        row = audio_visibility(keys, torch.tensor([cfg.audio_bos_position + count - 1], device=self.device),
-                               torch.tensor([cfg.audio_bos_position], device=self.device),
-                               torch.tensor([text_len], device=self.device), cfg)
-        attend = row[:, None, None, :].expand(1, 1, count, row.shape[-1])
-        rows = torch.tensor([slot], device=self.device)
-        tts(embeds, self.tts_cache, StepInputs(rows, positions, positions, attend))
+        carry_prefill(self.model.tts, self.model.config.tts, self.tts_cache, slot, frames, text_len,
+                      self.device)
 
     def launch_audio_window(self, slots: list[int], inputs: AudioStepInputs) -> HostCopy:
         """Queue up to ``steps_per_sync`` audio frames of the streams in TTS ``slots``; the
@@ -316,23 +275,16 @@ class ModelRunner:
     def _count_audio_window(self, rows: int, span: int, inputs: AudioStepInputs) -> None:
         """Count a window of ``rows`` (graph padding included) over ``span`` keys. Attention that
         reads only the key blocks a row can see (flex) reads at most each stream's own blocks
-        up to its last position in the window, whatever the span."""
-        if self.reads_visible_blocks:
-            block = FLEX_KEY_BLOCK
-            last = (inputs.position + self.window).clamp(max=span)
-            key_reads = int(((last + block - 1) // block * block).sum()) * self.window
-        else:
-            key_reads = rows * self.window * span
+        up to its last position in the window, whatever the span (:func:`window_key_reads`)."""
+        key_reads = window_key_reads(inputs, rows, self.window, span, self.reads_visible_blocks)
         self.work.update(audio_windows=1, audio_frame_steps=self.window,
                          audio_rows=rows * self.window, audio_key_reads=key_reads)
 
-    def launch_decode(self, frames: Sequence[list[list[int]]]) -> "DecodedAudio":
+    def launch_decode(self, frames: Sequence[list[list[int]]]) -> DecodedAudio:
         """Queue DVAE + Vocos for each piece's code frames (one device-to-host copy of all the
         audio); :meth:`DecodedAudio.wait` gives each piece as float32 audio."""
         self.work.update(decode_calls=1, decode_frames=sum(len(f) for f in frames))
-        waves = self.decoder.decode([torch.tensor(f, dtype=torch.long) for f in frames])
-        offsets = np.cumsum([0] + [len(w) for w in waves])
-        return DecodedAudio(HostCopy(torch.cat([w.float() for w in waves])), offsets)
+        return queue_decode(self.decoder, frames)
 
 
 class GraphModelRunner(ModelRunner):
@@ -378,7 +330,7 @@ class GraphModelRunner(ModelRunner):
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
 
-    def launch_decode(self, frames: Sequence[list[list[int]]]) -> "DecodedAudio":
+    def launch_decode(self, frames: Sequence[list[list[int]]]) -> DecodedAudio:
         if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager
             eager = sum(not self.decoder.captured(len(f)) for f in frames)
             if eager:
@@ -417,18 +369,6 @@ class GraphModelRunner(ModelRunner):
         self._window_queued = torch.cuda.Event()
         self._window_queued.record()
         return self.audio_graphs.launch(slots, inputs, shape)
-
-
-class DecodedAudio:
-    """Decoded pieces on their way to the host (:meth:`ModelRunner.launch_decode`)."""
-
-    def __init__(self, audio: HostCopy, offsets: np.ndarray) -> None:
-        self._audio = audio
-        self._offsets = offsets
-
-    def wait(self) -> list[np.ndarray]:
-        flat = self._audio.wait().numpy()
-        return [flat[self._offsets[i]:self._offsets[i + 1]] for i in range(len(self._offsets) - 1)]
 
 
 def create_runner(model: LoadedModel, options: EngineOptions, penalty_width: int) -> ModelRunner:
