@@ -15,6 +15,7 @@ def test_sentence_ends_as_before() -> None:
     assert pieces("Pi is 3.14 and") == ([], "Pi is 3.14 and")
     assert pieces("Ends here.") == (["Ends here."], "")
     assert pieces("line\n next") == (["line\n"], " next")
+    assert pieces("line\n") == (["line\n"], "")
     assert pieces(" no end", done=True) == ([" no end"], "")
     assert pieces("  ", done=True) == ([], "")
 

@@ -167,12 +167,9 @@ def test_each_case_is_unchanged_when_batched_with_others(engine):
     assert stats.active_streams == 0
 
 
+# MiniCPM-o's own limits; what every engine refuses is in tests/engines/test_engine_contract.py.
 @pytest.mark.parametrize("request_fields, param", [
-    ({"text": "x" * 4097}, "text"),
     ({"text": "?!... \U0001F600"}, "text"),
-    ({"text": "   "}, "text"),
-    ({"text": "Hello.", "voice": "nobody"}, "voice"),
-    ({"text": "Hello.", "mode": "sing"}, "mode"),
     ({"text": "Hello.", "mode": "chat", "sampling": SamplingParams(temperature=-1.0)}, "temperature"),
     ({"text": "Hello.", "mode": "chat", "sampling": SamplingParams(top_p=0.0)}, "top_p"),
     ({"text": "Hello.", "mode": "chat", "sampling": SamplingParams(top_k=0)}, "top_k"),

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from serve_app.engines.base import AudioChunk, LengthControls, RequestAbortedError, SpeechRequest
+from serve_app.engines.base import AudioChunk, LengthControls, SpeechRequest
 from tests.engines.minicpmo.tiny_engine import tiny_engine
 
 TEXT = "Every stream of this step leaves in one delivery. " * 2
@@ -75,29 +75,3 @@ def test_a_steps_chunks_for_every_stream_leave_in_one_delivery(engine) -> None:
     for name, iterated in zip(IDS, asyncio.run(through_iterators())):
         delivered = np.concatenate([item.samples for item in per_stream[name]])
         np.testing.assert_array_equal(delivered, iterated)
-
-
-def test_an_aborted_stream_ends_with_its_abort_and_the_others_finish(engine) -> None:
-    sink = RecordingSink(expected_ends=len(IDS))
-    engine.submit_to(requests("abort"), sink)
-    engine.abort("two-abort")
-    assert sink.ended.wait(timeout=300)
-    aborted = sink.items_of("two-abort")
-    assert isinstance(aborted[-1], RequestAbortedError)
-    assert all(isinstance(item, AudioChunk) for item in aborted[:-1])
-    for name in ("one", "three"):
-        assert sink.items_of(f"{name}-abort")[-1].final
-    assert engine.stats().active_streams == 0
-
-
-def test_a_failing_sink_loses_only_its_own_items(engine) -> None:
-    def broken(items: list) -> None:
-        raise RuntimeError("this reader is broken")
-
-    steps = engine.stats().steps
-    engine.submit_to([SpeechRequest("broken-reader", TEXT, seed=7, lengths=FRAMES)], broken)
-    sink = RecordingSink(expected_ends=1)
-    engine.submit_to([SpeechRequest("good-reader", TEXT, seed=7, lengths=FRAMES)], sink)
-    assert sink.ended.wait(timeout=300)
-    assert sink.items_of("good-reader")[-1].final
-    assert engine.stats().steps > steps  # the step thread went on

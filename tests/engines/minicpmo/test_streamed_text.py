@@ -8,23 +8,13 @@ import time
 
 import pytest
 
-from serve_app.engines.base import (
-    InvalidRequestError,
-    LengthControls,
-    RequestAbortedError,
-    SpeechRequest,
-)
+from serve_app.engines.base import LengthControls, SpeechRequest
 from serve_app.engines.minicpmo.engine import MiniCPMOEngine, StreamPlan
 from serve_app.engines.minicpmo.model.modeling import TTSConfig
 from serve_app.engines.minicpmo.speech_schedule import Phase, SpeechSchedule
 from serve_app.engines.streamed_text import clause_ends
 from tests.engines.minicpmo.tiny_engine import tiny_engine
-from tests.engines.streams import (
-    FEED_ERROR_CODES,
-    drain,
-    feed_error_codes,
-    finish_while_one_waits,
-)
+from tests.engines.streams import drain
 
 TEXT = ("Streaming text arrives a few words at a time, and the speech follows it closely. "
         "Nothing here waits for the last word.")
@@ -98,14 +88,6 @@ def test_all_text_at_submission_equals_the_whole_text_request(engine) -> None:
     assert codes(engine, "at-once-streamed") == codes(engine, "at-once")
 
 
-def test_a_stream_waiting_for_text_does_not_hold_up_others(engine) -> None:
-    other = SpeechRequest("other", "Short and whole.", lengths=FRAMES)
-    (other_chunks, other_error), (waiting_chunks, waiting_error) = asyncio.run(
-        finish_while_one_waits(engine, streamed("waiting"), other, "Now it speaks."))
-    assert other_error is None and other_chunks >= 1
-    assert waiting_error is None and waiting_chunks >= 1
-
-
 def test_input_that_ends_with_nothing_speakable_ends_the_stream_without_audio(engine) -> None:
     async def run():
         (stream,) = engine.submit([streamed("silent", "...")])
@@ -114,36 +96,6 @@ def test_input_that_ends_with_nothing_speakable_ends_the_stream_without_audio(en
 
     chunks = asyncio.run(run())
     assert [chunk.final for chunk in chunks] == [True] and len(chunks[0].samples) == 0
-
-
-def test_feed_errors(engine) -> None:
-    whole = SpeechRequest("whole-text", "Whole text.", lengths=FRAMES)
-    codes = asyncio.run(feed_error_codes(engine, whole, streamed("errors", "Some text.")))
-    assert codes == FEED_ERROR_CODES
-    engine.validate(streamed("empty-is-fine"))
-    with pytest.raises(InvalidRequestError):
-        engine.validate(streamed("chat", "Hello?", mode="chat"))
-
-
-def test_abort_of_a_streamed_request_frees_its_slot(engine) -> None:
-    async def run():
-        (stream,) = engine.submit([streamed("aborted", TEXT[:84])])
-        first = await anext(stream)  # running, and waiting for more text
-        engine.abort("aborted")
-        with pytest.raises(RequestAbortedError):
-            await anext(stream)
-        active_after_abort = engine.stats().active_streams
-        with pytest.raises(InvalidRequestError):
-            engine.feed_text("aborted", "more")
-        # every slot is free again: as many whole requests as there are slots all finish
-        streams = engine.submit([SpeechRequest(f"after-{i}", "Again.", lengths=FRAMES)
-                                 for i in range(engine.options.max_slots)])
-        return first, active_after_abort, await asyncio.gather(*(drain(s) for s in streams))
-
-    first, active_after_abort, results = asyncio.run(run())
-    assert len(first.samples) > 0
-    assert active_after_abort == 0
-    assert all(error is None for _, error in results)
 
 
 def test_text_feed_cuts_the_pieces_of_the_whole_text_wherever_the_text_is_split(engine) -> None:
