@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve_app.engines.base import SpeechRequest
+# A stream's usage is counted by its engine (on the final chunk); the front reads it from here.
+from serve_app.engines.usage import StreamUsage  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -37,18 +39,6 @@ class EncodedChunk:
 
 
 @dataclass(frozen=True)
-class StreamUsage:
-    """A finished stream's token counts, sent after its last chunk (OpenAI's ``usage``)."""
-
-    input_tokens: int
-    output_tokens: int
-
-    def as_dict(self) -> dict[str, int]:
-        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "total_tokens": self.input_tokens + self.output_tokens}
-
-
-@dataclass(frozen=True)
 class TextInputOpen:
     """A streamed-input request is in the engine of the Synthesizer replica ``replica_id``:
     its text goes there through ``feed_text`` (see :mod:`serve_app.gpu.routing`)."""
@@ -58,7 +48,9 @@ class TextInputOpen:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """Static facts about the synthesizer's engine, for /v1/models and /v1/voices."""
+    """Static facts about the synthesizer's engine: what its engine process reports when ready
+    (:mod:`serve_app.gpu.engine_protocol`), and what /v1/models and /v1/voices show (with the
+    voices it holds at the time)."""
 
     engine: str
     model_id: str
@@ -70,3 +62,6 @@ class EngineInfo:
     benchmark: dict | None = None
     # Whether the engine clones a voice from a reference clip (POST /v1/audio/voices).
     clones_voices: bool = False
+    # Whether it takes instructions (a request's system_prompt); how many streams it runs at once.
+    follows_instructions: bool = False
+    max_slots: int = 0

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
 import numpy as np
 
 from serve_app.engines.text_rule import clean_text
+from serve_app.engines.usage import StreamUsage
 
 # The errors live in a leaf module, which text_rule imports without this one; re-exported here.
 from .errors import (  # noqa: F401
@@ -112,7 +113,8 @@ class AudioChunk:
     """A piece of a stream's audio: float32 mono PCM at ``sample_rate_hz``.
 
     ``text`` is the text this chunk covers (may be empty); ``final`` marks the stream's last
-    chunk (which may hold no samples); ``timings_s`` carries per-stage seconds for metrics.
+    chunk (which may hold no samples); ``timings_s`` carries per-stage seconds for metrics;
+    ``usage``, on the final chunk only, the stream's token counts in the engine's units.
     """
 
     request_id: str
@@ -121,6 +123,7 @@ class AudioChunk:
     text: str = ""
     final: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)
+    usage: StreamUsage | None = None
 
     @property
     def duration_s(self) -> float:

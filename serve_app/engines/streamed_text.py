@@ -58,6 +58,11 @@ class StreamedText:
         self.pending += delta
         self.done = done
 
+    @property
+    def chars(self) -> int:
+        """Characters received so far, the text given at submission included."""
+        return self._chars
+
     def take(self) -> tuple[str, bool]:
         """The text fed since the last call, and whether the input is done."""
         text, self.pending = self.pending, ""

@@ -31,18 +31,25 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
-from serve_app.gpu import engine_wire
 from serve_app.engines.base import AudioChunk, EngineError, EngineStats, SpeechRequest
-from serve_app.messages import StreamUsage
+from serve_app.gpu import engine_wire
+from serve_app.gpu.engine_protocol import (
+    Abort,
+    Call,
+    Close,
+    Outputs,
+    Ready,
+    Reply,
+    Start,
+    Stats,
+    Submit,
+)
+from serve_app.messages import EngineInfo
 
 logger = logging.getLogger(__name__)
 
 # How long close() waits for the engine process to finish before killing it.
 CLOSE_TIMEOUT_S = 30.0
-
-
-# Calls whose arguments can be megabytes (a clip, a voice's embeddings).
-BULKY_CALLS = frozenset({"embed_voice", "add_voice"})
 
 
 class EngineDeadError(EngineError):
@@ -77,34 +84,27 @@ class Inbox:
 
 
 def join_chunks(chunks: list[AudioChunk]) -> AudioChunk:
-    """Consecutive chunks of one stream as one: samples and text in order, every timing kept."""
+    """Consecutive chunks of one stream as one: samples and text in order, every timing kept,
+    the last one's usage (a final chunk's)."""
     timings: dict[str, float] = {}
     for chunk in chunks:
         timings.update(chunk.timings_s)
     return AudioChunk(chunks[0].request_id, np.concatenate([c.samples for c in chunks]),
                       chunks[0].sample_rate_hz, text="".join(c.text for c in chunks),
-                      final=chunks[-1].final, timings_s=timings)
+                      final=chunks[-1].final, timings_s=timings, usage=chunks[-1].usage)
 
 
 class EngineClient:
-    """Talks to one engine process; shaped like the engine where the synthesizer needs it
-    (``sample_rate_hz``, ``modes``, ``model_id``, ``follows_instructions``, ...)."""
+    """Talks to one engine process; :attr:`info` is what it reported about its engine when it
+    was ready (name, model, sample rate, modes, what it can do, its slots)."""
 
-    def __init__(self, process: subprocess.Popen, conn: Connection, facts: dict[str, Any],
+    def __init__(self, process: subprocess.Popen, conn: Connection, info: EngineInfo,
                  on_death: Callable[[], None] | None = None) -> None:
         self._process = process
         self._on_death = on_death
         self._conn = conn
-        self._facts = facts
-        self.engine_name: str = facts["engine"]
-        self.sample_rate_hz: int = facts["sample_rate_hz"]
-        self.modes: tuple[str, ...] = facts["modes"]
-        self.model_id: str = facts["model_id"]
-        self.benchmark: dict | None = facts["benchmark"]
-        self.follows_instructions: bool = facts["follows_instructions"]
-        self.clones_voices: bool = facts["clones_voices"]
-        self.max_slots: int = facts["max_slots"]
-        self._stats = EngineStats(max_slots=self.max_slots)
+        self.info = info
+        self._stats = EngineStats(max_slots=info.max_slots)
         self._send_lock = threading.Lock()
         self._call_ids = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}
@@ -131,17 +131,18 @@ class EngineClient:
         theirs.close()
         conn = Connection(ours.detach())
         try:
-            engine_wire.send_message(conn, (engine, dict(options)))
+            engine_wire.send_message(conn, Start(engine, dict(options)))
             message = engine_wire.receive(conn)
         except (EOFError, OSError):
             code = process.wait()
             raise RuntimeError(f"the engine process exited with code {code} while starting "
                                "(its log is in this replica's stderr)") from None
-        if message[0] != "ready":
+        if not isinstance(message, Ready):
             process.wait()
-            raise RuntimeError(f"engine {engine!r} failed to start: {message[1]}")
+            raise RuntimeError(f"engine {engine!r} failed to start: "
+                               f"{getattr(message, 'message', message)}")
         logger.info("engine %s runs in process %d", engine, process.pid)
-        return cls(process, conn, message[1], on_death)
+        return cls(process, conn, message.info, on_death)
 
     # -- what the synthesizer calls ------------------------------------------------------------
 
@@ -172,7 +173,7 @@ class EngineClient:
         for request in requests:
             self._inboxes[request.request_id] = Inbox()
         try:
-            refusals = await self.call("submit", requests)
+            refusals = await self._ask(lambda call_id: Submit(call_id, requests))
         except BaseException:
             for request in requests:
                 self._inboxes.pop(request.request_id, None)
@@ -188,28 +189,29 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         if self._dead is None:
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
 
     async def feed_text(self, request_id: str, delta: str, done: bool = False) -> None:
         await self.call("feed_text", request_id, delta, done)
-
-    async def usage(self, request: SpeechRequest, text: str, samples: int) -> StreamUsage:
-        return await self.call("usage", request, text, samples)
 
     async def voices(self) -> list[str]:
         return await self.call("voices")
 
     async def call(self, method: str, *args: Any) -> Any:
-        """Run ``method`` in the engine process; its exception is raised here."""
+        """Run the engine's ``method`` in the engine process; its exception is raised here."""
+        return await self._ask(lambda call_id: Call(call_id, method, args))
+
+    async def _ask(self, message_for: Callable[[int], Submit | Call]) -> Any:
+        """Send the message ``message_for`` makes with a fresh call id; its Reply's value."""
         if self._dead is not None:
             raise self._dead
         loop = self._bind_loop()
         call_id = next(self._call_ids)
         future = loop.create_future()
         self._replies[call_id] = future
-        message = ("call", call_id, method, args)
+        message = message_for(call_id)
         try:
-            if method in BULKY_CALLS:  # megabytes of audio or embeddings: off the event loop
+            if isinstance(message, Call) and message.slow:  # megabytes: off the event loop
                 await asyncio.to_thread(self._send, message)
             else:
                 self._send(message)
@@ -223,7 +225,7 @@ class EngineClient:
         self._closing = True
         if self._dead is None:
             try:
-                self._send(("close",))
+                self._send(Close())
             except OSError:
                 pass
         try:
@@ -243,7 +245,7 @@ class EngineClient:
             self._loop = loop  # a replica keeps one loop; a script may run several in turn
         return loop
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: Submit | Call | Abort | Close) -> None:
         encoded = engine_wire.encode(message)
         with self._send_lock:
             engine_wire.send(self._conn, encoded)
@@ -273,8 +275,8 @@ class EngineClient:
                 message = engine_wire.receive(self._conn)
             except (EOFError, OSError):
                 break
-            if message[0] == "stats":
-                self._stats = message[1]
+            if isinstance(message, Stats):
+                self._stats = message.stats
             elif self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, message)
         code = self._process.wait()
@@ -291,20 +293,21 @@ class EngineClient:
         if not self._closing and self._on_death is not None:
             self._on_death()
 
-    def _dispatch(self, message: tuple) -> None:
-        if message[0] == "out":
-            for request_id, item in message[1]:
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, Outputs):
+            for request_id, item in message.items:
                 inbox = self._inboxes.get(request_id)
                 if inbox is not None:  # else its caller is gone
                     inbox.put(item)
-        elif message[0] == "reply":
-            _, call_id, ok, value = message
-            future = self._replies.pop(call_id, None)
+        elif isinstance(message, Reply):
+            future = self._replies.pop(message.call_id, None)
             if future is not None and not future.done():
-                if ok:
-                    future.set_result(value)
+                if message.error is None:
+                    future.set_result(message.value)
                 else:
-                    future.set_exception(value)
+                    future.set_exception(message.error)
+        else:
+            logger.error("unknown message from the engine: %s", type(message).__name__)
 
     def _fail_all(self, dead: EngineDeadError) -> None:
         self._dead = dead

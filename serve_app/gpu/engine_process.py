@@ -9,22 +9,16 @@ keeps the Ray and HTTP side (:mod:`serve_app.gpu.engine_client`), and this proce
 its step thread competes only with this module's two small threads and its event loop, and no
 chunk passes through that loop: the engine hands each step's output to the sender thread.
 
-Messages (tuples on a :class:`multiprocessing.connection.Connection`, their audio out of band:
-:mod:`serve_app.gpu.engine_wire`):
-
-- replica -> engine: ``(name, options)`` first; then ``("call", call_id, method, args)``
-  (``submit``, ``feed_text``, ``stats``, ...), ``("abort", request_id)``, ``("close",)``.
-- engine -> replica: ``("ready", facts)`` or ``("failed", message)`` first; then
-  ``("out", [(request_id, item), ...])`` (an item is an AudioChunk, or the exception that ends
-  the stream), ``("reply", call_id, ok, value)``, ``("stats", EngineStats)``.
+Messages are the dataclasses of :mod:`serve_app.gpu.engine_protocol` (their audio out of band:
+:mod:`serve_app.gpu.engine_wire`).
 
 Outputs are sent in batches: the engine delivers everything one step produced in one call
-(``Engine.submit_to``'s sink), which becomes one message, so a busy step costs one write, not one
-per stream. The step thread pickles it (the chunks' fields, not their audio: the buffers stay out
-of band) and the sender thread writes it, giving up the GIL for every large write; no other
-thread here holds the GIL for long while streams run, so the step thread never waits long to
-get it back after a GPU sync. A closed socket means the replica is gone: this process exits at once (the GPU memory
-goes with it).
+(``Engine.submit_to``'s sink), which becomes one :class:`~serve_app.gpu.engine_protocol.Outputs`
+message, so a busy step costs one write, not one per stream. The step thread pickles it (the
+chunks' fields, not their audio: the buffers stay out of band) and the sender thread writes it,
+giving up the GIL for every large write; no other thread here holds the GIL for long while
+streams run, so the step thread never waits long to get it back after a GPU sync. A closed
+socket means the replica is gone: this process exits at once (the GPU memory goes with it).
 
 Run as ``python -m serve_app.gpu.engine_process FD`` by :class:`~serve_app.gpu.engine_client.EngineClient`.
 """
@@ -42,7 +36,6 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from serve_app.gpu import engine_wire
 from serve_app.engines.base import (
     AudioChunk,
     Engine,
@@ -53,7 +46,20 @@ from serve_app.engines.base import (
     SpeechRequest,
 )
 from serve_app.engines.registry import create_engine
-from serve_app.gpu.usage import stream_usage
+from serve_app.gpu import engine_wire
+from serve_app.gpu.engine_protocol import (
+    Abort,
+    Call,
+    Close,
+    Failed,
+    Outputs,
+    Ready,
+    Reply,
+    Start,
+    Stats,
+    Submit,
+)
+from serve_app.messages import EngineInfo
 
 logger = logging.getLogger("serve_app.gpu.engine_process")
 
@@ -62,23 +68,17 @@ logger = logging.getLogger("serve_app.gpu.engine_process")
 GIL_SWITCH_INTERVAL_S = 0.001
 # How often changed engine counters are pushed to the replica (its metrics read them).
 STATS_INTERVAL_S = 0.1
-# Calls that may take long (they run a model); they run in a worker thread, not the loop.
-SLOW_CALLS = frozenset({"embed_voice", "add_voice"})
 
 
-def engine_facts(engine: Engine, name: str) -> dict[str, Any]:
+def engine_info(engine: Engine, name: str) -> EngineInfo:
     """What the replica needs to know about the engine without asking each time."""
-    return {
-        "engine": name,
-        "sample_rate_hz": engine.sample_rate_hz,
-        "modes": tuple(engine.modes),
-        "model_id": getattr(engine, "model_id", name),
-        "benchmark": getattr(engine, "benchmark", None),
-        "follows_instructions": getattr(engine, "follows_instructions", False),
-        "clones_voices": getattr(engine, "clones_voices", False),
-        "samples_per_audio_token": getattr(engine, "samples_per_audio_token", None),
-        "max_slots": engine.stats().max_slots,
-    }
+    return EngineInfo(
+        engine=name, model_id=getattr(engine, "model_id", name),
+        sample_rate_hz=engine.sample_rate_hz, voices=list(engine.voices()),
+        modes=list(engine.modes), benchmark=getattr(engine, "benchmark", None),
+        clones_voices=getattr(engine, "clones_voices", False),
+        follows_instructions=getattr(engine, "follows_instructions", False),
+        max_slots=engine.stats().max_slots)
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -117,11 +117,9 @@ class EngineServer:
         self._conn = conn
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[str, Callable[..., Any]] = {
-            "submit": self._submit,
             "feed_text": engine.feed_text,
             "stats": engine.stats,
             "voices": engine.voices,
-            "usage": lambda request, text, samples: stream_usage(engine, request, text, samples),
         }
         for method in ("embed_voice", "add_voice", "remove_voice"):
             if hasattr(engine, method):
@@ -129,10 +127,10 @@ class EngineServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed: asyncio.Event | None = None
 
-    def run(self, facts: dict[str, Any]) -> None:
+    def run(self, info: EngineInfo) -> None:
         sender = threading.Thread(target=self._send_forever, name="engine-sender", daemon=True)
         sender.start()
-        self._sends.put(engine_wire.encode(("ready", facts)))
+        self._put(Ready(info))
         asyncio.run(self._serve())
         self._engine.close()
         self._sends.put(None)  # after everything queued before it
@@ -156,7 +154,7 @@ class EngineServer:
                 logger.warning("replica closed the connection; engine process exits")
                 os._exit(0)
             self._loop.call_soon_threadsafe(self._handle, message)
-            if message[0] == "close":
+            if isinstance(message, Close):
                 return
 
     def _send_forever(self) -> None:
@@ -169,20 +167,31 @@ class EngineServer:
             except (BrokenPipeError, OSError):
                 os._exit(0)
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "abort":
-            self._engine.abort(message[1])
-        elif kind == "call":
-            _, call_id, method, args = message
-            if method in SLOW_CALLS:
+    def _put(self, message: object) -> None:
+        """Pickle ``message`` here (its audio stays out of band); the sender thread writes it."""
+        self._sends.put(engine_wire.encode(message))
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Abort):
+            self._engine.abort(message.request_id)
+        elif isinstance(message, Submit):
+            self._answer(message.call_id, self._submit, (message.requests,))
+        elif isinstance(message, Call):
+            method = self._calls.get(message.method)
+            if method is None:
+                self._put(Reply(message.call_id, error=EngineError(
+                    f"the engine has no call {message.method!r}")))
+            elif message.slow:
                 assert self._loop is not None
-                self._loop.create_task(self._call_in_thread(call_id, method, args))
+                self._loop.create_task(asyncio.to_thread(
+                    self._answer, message.call_id, method, message.args))
             else:
-                self._reply(call_id, method, args)
-        elif kind == "close":
+                self._answer(message.call_id, method, message.args)
+        elif isinstance(message, Close):
             assert self._closed is not None
             self._closed.set()
+        else:
+            logger.error("unknown message from the replica: %s", type(message).__name__)
 
     def _submit(self, requests: list[SpeechRequest]) -> list[BaseException | None]:
         """Admit ``requests`` (their output goes straight to the sender); per request, None or
@@ -196,33 +205,29 @@ class EngineServer:
         out = [(request_id, item if isinstance(item, AudioChunk) else portable(item))
                for request_id, item in items]
         try:
-            self._sends.put(engine_wire.encode(("out", out)))
+            self._put(Outputs(out))
         except Exception:  # one item that cannot be sent ends its own stream, not the others
             logger.exception("could not pickle a step's output; sending it item by item")
             for request_id, item in out:
                 try:
-                    encoded = engine_wire.encode(("out", [(request_id, item)]))
+                    encoded = engine_wire.encode(Outputs([(request_id, item)]))
                 except Exception as exc:
-                    encoded = engine_wire.encode(("out", [(request_id, EngineError(
+                    encoded = engine_wire.encode(Outputs([(request_id, EngineError(
                         f"the engine's output could not be sent: {type(exc).__name__}"))]))
                 self._sends.put(encoded)
 
-    def _reply(self, call_id: int, method: str, args: tuple) -> None:
+    def _answer(self, call_id: int, method: Callable[..., Any], args: tuple) -> None:
         try:
-            self._sends.put(engine_wire.encode(("reply", call_id, True,
-                                                self._calls[method](*args))))
+            self._put(Reply(call_id, value=method(*args)))
         except BaseException as exc:  # the caller gets it; the engine goes on
-            self._sends.put(engine_wire.encode(("reply", call_id, False, portable(exc))))
-
-    async def _call_in_thread(self, call_id: int, method: str, args: tuple) -> None:
-        await asyncio.to_thread(self._reply, call_id, method, args)
+            self._put(Reply(call_id, error=portable(exc)))
 
     async def _push_stats(self) -> None:
         last = None
         while True:
             stats = self._engine.stats()
             if stats != last:
-                self._sends.put(engine_wire.encode(("stats", stats)))
+                self._put(Stats(stats))
                 last = stats
             await asyncio.sleep(STATS_INTERVAL_S)
 
@@ -233,17 +238,17 @@ def main() -> None:
     logging.basicConfig(
         level=os.environ.get("SERVE_APP_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s engine-process[{os.getpid()}] %(name)s: %(message)s")
-    name, options = engine_wire.receive(conn)
+    start = engine_wire.receive(conn)
+    assert isinstance(start, Start), start
     try:
-        engine = create_engine(name, options)
+        engine = create_engine(start.engine, start.options)
         engine.warmup()
     except BaseException as exc:
-        logger.exception("engine %s failed to start", name)
+        logger.exception("engine %s failed to start", start.engine)
         engine_wire.send_message(
-            conn, ("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            conn, Failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
-    EngineServer(engine, conn).run(engine_facts(engine, name))
-
+    EngineServer(engine, conn).run(engine_info(engine, start.engine))
 
 if __name__ == "__main__":
     main()

@@ -17,11 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serve_app.engines.base import AudioChunk, EngineError, InvalidRequestError, SpeechRequest
+from serve_app.engines.registry import create_engine
 from serve_app.gpu import engine_wire
 from serve_app.gpu.engine_client import EngineClient, EngineDeadError, Inbox
 from serve_app.gpu.engine_process import EngineServer
-from serve_app.engines.base import AudioChunk, EngineError, InvalidRequestError, SpeechRequest
-from serve_app.engines.registry import create_engine
+from serve_app.gpu.engine_protocol import Outputs
+from serve_app.messages import StreamUsage
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASH = "CRASH-NOW"
@@ -46,18 +48,31 @@ def test_streams_and_refusals_cross_the_process(client: EngineClient) -> None:
             SpeechRequest("bad-2", TEXT, speed=9.0)])
         chunks = await collect(ok)
         stats = await client.fresh_stats()
-        usage = await client.usage(SpeechRequest("ok-1", TEXT), TEXT,
-                                   sum(len(c.samples) for c in chunks))
-        return empty, fast, chunks, stats, usage
+        return empty, fast, chunks, stats
 
-    empty, fast, chunks, stats, usage = asyncio.run(run())
+    empty, fast, chunks, stats = asyncio.run(run())
     # Refusals keep their field and code across the process boundary; the good request runs.
     assert isinstance(empty, InvalidRequestError) and empty.param == "text"
     assert isinstance(fast, InvalidRequestError) and fast.param == "speed"
-    assert chunks[-1].final and sum(len(c.samples) for c in chunks) > 0.5 * client.sample_rate_hz
+    samples = sum(len(c.samples) for c in chunks)
+    assert chunks[-1].final and samples > 0.5 * client.info.sample_rate_hz
     assert chunks[0].timings_s  # the engine's per-stage timings travel with the chunk
     assert stats.completed >= 1 and stats.active_streams == 0
-    assert usage.input_tokens > 0 and usage.output_tokens > 0
+    # The final chunk carries the stream's usage: Piper counts characters, a token per 20 ms.
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].usage == StreamUsage(input_tokens=len(TEXT),
+                                           output_tokens=-(-samples // (22_050 // 50)))
+
+
+def test_the_engine_reports_itself_and_answers_calls(client: EngineClient) -> None:
+    async def run():
+        with pytest.raises(EngineError, match="no call"):
+            await client.call("warmup")
+        return await client.voices()
+
+    assert asyncio.run(run()) == client.info.voices
+    assert client.info.engine == "piper" and client.info.max_slots > 0
+    assert not client.info.clones_voices and not client.info.follows_instructions
 
 
 def test_a_reader_that_falls_behind_gets_the_waiting_chunks_joined(client: EngineClient) -> None:
@@ -87,6 +102,7 @@ def test_a_reader_that_falls_behind_gets_the_waiting_chunks_joined(client: Engin
     assert len(chunks) >= 3
     # Everything that waited left as one chunk: the same audio and text, in two items.
     assert len(late) == 2 and late[-1].final and not late[0].final
+    assert late[-1].usage == chunks[-1].usage  # the joined final chunk keeps the usage
     np.testing.assert_array_equal(np.concatenate([c.samples for c in late]),
                                   np.concatenate([c.samples for c in chunks]))
     assert "".join(c.text for c in late) == "".join(c.text for c in chunks)
@@ -162,8 +178,9 @@ def _state(pid: int) -> str:
 
 def test_the_wire_carries_audio_out_of_band_and_writable() -> None:
     audio = np.linspace(-1, 1, 24_000, dtype=np.float32)
-    message = ("out", [("a", AudioChunk("a", audio, 24_000, text="one")),
-                       ("b", AudioChunk("b", np.zeros(0, np.float32), 24_000, final=True)),
+    message = Outputs([("a", AudioChunk("a", audio, 24_000, text="one")),
+                       ("b", AudioChunk("b", np.zeros(0, np.float32), 24_000, final=True,
+                                        usage=StreamUsage(3, 1))),
                        ("c", InvalidRequestError("bad", "text"))])
     encoded = engine_wire.encode(message)
     assert len(encoded.header) < 2_000  # the 96 kB of audio is not copied into the pickle
@@ -171,12 +188,15 @@ def test_the_wire_carries_audio_out_of_band_and_writable() -> None:
     writer, reader = Connection(ours.detach()), Connection(theirs.detach())
     sending = threading.Thread(target=engine_wire.send, args=(writer, encoded))
     sending.start()
-    kind, items = engine_wire.receive(reader)
+    received = engine_wire.receive(reader)
     sending.join()
-    assert kind == "out" and [rid for rid, _ in items] == ["a", "b", "c"]
+    assert isinstance(received, Outputs)
+    items = received.items
+    assert [rid for rid, _ in items] == ["a", "b", "c"]
     np.testing.assert_array_equal(items[0][1].samples, audio)
     assert items[0][1].samples.flags.writeable and items[0][1].text == "one"
     assert items[1][1].final and len(items[1][1].samples) == 0
+    assert items[1][1].usage == StreamUsage(3, 1)
     assert isinstance(items[2][1], InvalidRequestError) and items[2][1].param == "text"
 
 
@@ -193,7 +213,7 @@ def test_an_output_item_that_cannot_be_sent_ends_only_its_own_stream() -> None:
         received = []
         while not server._sends.empty():
             engine_wire.send(writer, server._sends.get())
-            received.extend(engine_wire.receive(reader)[1])
+            received.extend(engine_wire.receive(reader).items)
     finally:
         engine.close()
     items = dict(received)

@@ -43,6 +43,7 @@ from .options import EngineOptions, clones_voices
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
 from .step_loop import StepLoop, StepRecord
+from .usage import CountedPlan
 from .text import (
     GENERATION_PROMPT,
     PIECE_TOKENS,
@@ -258,15 +259,17 @@ class MiniCPMOEngine(SubmitsIterators):
         tok = self.model.tokenizer
         # Tokenized here, in the caller's thread, not in the engine's step thread.
         prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        instructions = self.count_tokens(request.system_prompt or "")  # usage's input tokens
         if request.text_input == "streamed":
             feed = TextFeed(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.decode)
-            return StreamPlan(request, prompt, feed.push(request.text), text_feed=feed,
-                              prompt_ids=prompt_ids)
+            return CountedPlan(request, prompt, feed.push(request.text), text_feed=feed,
+                               prompt_ids=prompt_ids, input_tokens=instructions)
         if request.mode == "read":
             ids = tok(request.text, add_special_tokens=False)["input_ids"]
-            return StreamPlan(request, prompt, cut_into_pieces(ids, tok.decode),
-                              prompt_ids=prompt_ids)
-        return StreamPlan(request, prompt, None, prompt_ids=prompt_ids)
+            return CountedPlan(request, prompt, cut_into_pieces(ids, tok.decode),
+                               prompt_ids=prompt_ids, input_tokens=instructions + len(ids))
+        return CountedPlan(request, prompt, None, prompt_ids=prompt_ids,
+                           input_tokens=instructions + self.count_tokens(request.text))
 
     @property
     def benchmark(self) -> dict | None:

@@ -16,6 +16,7 @@ from ..base import AudioChunk, Outbox
 from .model.codec import SAMPLE_RATE_HZ
 from .scheduler import Stream
 from .speech_schedule import DecodeJob
+from .usage import stream_usage
 
 
 def send(outbox: Outbox, stream: Stream, item: object) -> None:
@@ -24,7 +25,8 @@ def send(outbox: Outbox, stream: Stream, item: object) -> None:
 
 
 def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = False) -> None:
-    """Send ``samples`` with the text spoken since the last chunk (empty chunks only if final)."""
+    """Send ``samples`` with the text spoken since the last chunk (empty chunks only if final;
+    the final one carries the stream's usage)."""
     if len(samples) == 0 and not final:
         return
     now = time.perf_counter()
@@ -40,7 +42,8 @@ def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = Fals
         stream.schedule.text_since_emit = ""
     stream.chunks_sent += 1
     send(outbox, stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
-                            SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings))
+                            SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings,
+                            usage=stream_usage(stream) if final else None))
 
 
 def join_decoded(outbox: Outbox, decoded: Sequence[tuple[Stream, DecodeJob, np.ndarray]],

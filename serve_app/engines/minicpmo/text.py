@@ -170,6 +170,8 @@ class TextFeed:
 
     When the text stops coming, :meth:`break_point` and :meth:`cut_at_break` let the engine
     speak it up to its last break (``streamed_text.clause_ends``) without waiting for more.
+
+    :attr:`tokens` counts the tokens of the text so far as it is tokenized (the stream's usage).
     """
 
     def __init__(self, tokenize: Callable[[str], list[int]],
@@ -183,6 +185,7 @@ class TextFeed:
         self._raw = ""  # received since the last cut at a break
         self.version = 0  # counts the pushes that brought text
         self.speakable = False  # some text so far holds a letter or a digit
+        self.tokens = 0  # of the text tokenized so far (held-back text once it is tokenized)
 
     def push(self, text: str) -> list[str]:
         """Add text; returns the pieces that are now complete."""
@@ -192,14 +195,14 @@ class TextFeed:
         self.speakable = self.speakable or has_speakable_text(text)
         cut = _last_word_boundary(self._text)
         if cut:
-            self._ids += self._tokenize(self._text[:cut])
+            self._add_ids(self._tokenize(self._text[:cut]))
             self._text = self._text[cut:]
         return self._pieces(len(self._ids) - len(self._ids) % self._piece_tokens)
 
     def finish(self) -> list[str]:
         """The text is complete: its remaining pieces."""
         if self._text:
-            self._ids += self._tokenize(self._text)
+            self._add_ids(self._tokenize(self._text))
             self._text = ""
         pieces = self._pieces(len(self._ids))
         tail = self._decoder.flush()
@@ -228,10 +231,18 @@ class TextFeed:
         assert point is not None
         cut = clause_ends(self._raw)[-1]
         if point[0] or not point[1]:  # the break was in the held text
+            # its ids are dropped: the piece before the break counts as itself, the text after
+            # it when it is tokenized again
+            self.tokens += (len(self._tokenize(point[0])) if point[0] else 0) - len(
+                self._decoder.held) - len(self._ids)
             self._text = self._raw[cut:]
             self._ids = []
             self._decoder.held = []
         self._raw = self._raw[cut:]
+
+    def _add_ids(self, ids: list[int]) -> None:
+        self._ids += ids
+        self.tokens += len(ids)
 
     def _pieces(self, count: int) -> list[str]:
         step = self._piece_tokens

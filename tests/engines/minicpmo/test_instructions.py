@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve_app.engines.base import SpeechRequest
+from serve_app.engines.base import AudioChunk, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
 from serve_app.engines.minicpmo.model.layers import SlotKVCache, StepInputs, causal_attend
 from serve_app.engines.minicpmo.model.loader import load_speech_model
@@ -71,12 +71,28 @@ def test_instructions_change_the_speaker_embedding_and_the_audio(engine):
     assert not np.array_equal(speak(engine, plain), speak(engine, directed))
 
 
-def test_usage_counts_the_instructions_tokens(engine):
-    from serve_app.gpu.usage import stream_usage
+def final_chunks(engine: MiniCPMOEngine, *requests: SpeechRequest) -> list[AudioChunk]:
+    async def run() -> list[AudioChunk]:
+        return [[chunk async for chunk in stream][-1] for stream in engine.submit(list(requests))]
 
-    plain = stream_usage(engine, SpeechRequest("a", TEXT), TEXT, samples=2048)
-    directed = stream_usage(engine, SpeechRequest("b", TEXT, system_prompt=INSTRUCTIONS), TEXT,
-                            samples=2048)
-    assert plain.input_tokens == engine.count_tokens(TEXT) > 0
-    assert directed.input_tokens == plain.input_tokens + engine.count_tokens(INSTRUCTIONS)
-    assert plain.output_tokens == 2048 // engine.samples_per_audio_token == 4
+    return asyncio.run(run())
+
+
+def test_usage_on_the_final_chunk_counts_the_instructions_tokens(engine):
+    streamed = SpeechRequest("c", "", text_input="streamed", system_prompt=INSTRUCTIONS)
+
+    async def feed_and_read() -> AudioChunk:
+        (stream,) = engine.submit([streamed])
+        engine.feed_text("c", TEXT[:11])
+        engine.feed_text("c", TEXT[11:], done=True)
+        return [chunk async for chunk in stream][-1]
+
+    plain, directed = final_chunks(engine, SpeechRequest("a", TEXT),
+                                   SpeechRequest("b", TEXT, system_prompt=INSTRUCTIONS))
+    fed = asyncio.run(feed_and_read())
+    assert plain.final and plain.usage.input_tokens == engine.count_tokens(TEXT) > 0
+    assert directed.usage.input_tokens == plain.usage.input_tokens + engine.count_tokens(INSTRUCTIONS)
+    # Streamed text counts as it is tokenized: the same tokens as the whole text.
+    assert fed.usage.input_tokens == directed.usage.input_tokens
+    # Output: the audio code frames generated, one per token.
+    assert plain.usage.output_tokens == plain.timings_s["tts_steps"] > 0
