@@ -18,13 +18,10 @@ import uuid
 from importlib import resources
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import __version__, errors
 from serve_app.front.api_docs import mount_offline_docs
@@ -32,14 +29,9 @@ from serve_app.audio import CONTENT_TYPES, check_format_rate
 from serve_app.config import ApiConfig
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.errors import ApiError
-from serve_app.front.guard import (
-    JSON_MEDIA_TYPE,
-    REQUEST_ID_HEADER,
-    KeyRing,
-    RequestGuard,
-    StreamAdmission,
-    json_error,
-)
+from serve_app.front.error_replies import add_error_handlers
+from serve_app.front.guard import (REQUEST_ID_HEADER, KeyRing, RequestGuard, StreamAdmission,
+                                   json_error)
 from serve_app.front.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.observability.logs import use_replica_log
@@ -48,42 +40,16 @@ from serve_app.observability.metrics import EncoderMetrics, IngressMetrics
 from serve_app.front.schemas import NativeSpeechBody, OpenAISpeechBody
 from serve_app.front.speech_socket import router as speech_socket_router
 from serve_app.front.stream_open import open_stream
+from serve_app.front.voice_routes import owner_of
+from serve_app.front.voice_routes import router as voice_router
 from serve_app.engines.text_rule import check_text
-from serve_app.voices.clip import check_name, decode_clip
-from serve_app.voices.store import (
-    VoiceLimitReached,
-    VoiceNotFound,
-    VoiceStore,
-    resolve_voice,
-    store_call,
-)
+from serve_app.voices.store import VoiceStore, resolve_voice
 
 logger = logging.getLogger(__name__)
 
 OPENAI_PCM_RATE_HZ = 24000
 # The OpenAI route's names for the request fields the engines and the text rule name.
 OPENAI_PARAM_NAMES = {"text": "input"}
-# What the consent field of a voice upload may say to affirm it (case and spaces ignored).
-CONSENT_AFFIRMED = ("true", "yes", "1", "on", "affirmed", "i consent")
-CONSENT_DESCRIPTION = ("Required, and must be true: you attest that the person speaking in "
-                       "audio_sample consented to having their voice cloned by this service")
-
-
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    problems = exc.errors()
-    first = problems[0] if problems else {}
-    if first.get("type") == "json_invalid":
-        return errors.invalid_json()
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "missing":
-        return ApiError(400, f"missing required parameter: {param}", param=param,
-                        code="missing_required_parameter")
-    if first.get("type") == "model_attributes_type":
-        return errors.invalid_json("request body must be a JSON object")
-    return ApiError(400, f"invalid value for {param}: {message}" if param else message,
-                    param=param, code="invalid_value")
 
 
 # /docs and /redoc with their assets served by the app itself, not a CDN (serve_app/front/api_docs.py):
@@ -97,57 +63,9 @@ api_app = FastAPI(
 )
 mount_offline_docs(api_app)
 api_app.add_middleware(RequestGuard)
+add_error_handlers(api_app)  # every error as OpenAI-style JSON (serve_app/front/error_replies.py)
 api_app.include_router(speech_socket_router)
-
-
-@api_app.exception_handler(ApiError)
-async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return json_error(exc, request.app.state)
-
-
-@api_app.exception_handler(RequestValidationError)
-async def _request_validation_error(request: Request,
-                                    exc: RequestValidationError) -> JSONResponse:
-    return json_error(_validation_error(exc), request.app.state)
-
-
-@api_app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 404:
-        error = ApiError(404, f"no route for {request.method} {request.url.path}",
-                         code="not_found")
-    elif exc.status_code == 405:
-        error = ApiError(405, f"method {request.method} not allowed on {request.url.path}",
-                         code="method_not_allowed")
-    elif (body_problem := _unparsable_json(request, exc)) is not None:
-        error = errors.invalid_json(body_problem)
-    else:
-        error = ApiError(exc.status_code, str(exc.detail), code="http_error")
-    return json_error(error, request.app.state)
-
-
-def _unparsable_json(request: Request, exc: StarletteHTTPException) -> str | None:
-    """What kept FastAPI from parsing a JSON body, when that is what ``exc`` (its 400 "There was
-    an error parsing the body", raised from the parser's own error) says: bad UTF-8, or nesting
-    deeper than the parser recurses (a JSON syntax error is a RequestValidationError instead)."""
-    if exc.status_code != 400 or request.headers.get("content-type", "").split(";")[0].strip(
-            ).lower() != JSON_MEDIA_TYPE:
-        return None
-    cause = exc.__cause__
-    if isinstance(cause, UnicodeDecodeError):
-        return "request body is not valid UTF-8"
-    if isinstance(cause, RecursionError):
-        return "request body nests too deeply to parse"
-    if isinstance(cause, ValueError):
-        return "malformed JSON body"
-    return None
-
-
-@api_app.exception_handler(Exception)
-async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in the ingress")
-    return json_error(ApiError(500, "internal server error", code="internal_error"),
-                      request.app.state)
+api_app.include_router(voice_router)  # /v1/audio/voices (serve_app/front/voice_routes.py)
 
 
 # Helpers sit above the deployment: serve.deployment pickles the class when it is decorated.
@@ -320,120 +238,12 @@ class Ingress:
         _describe(http, request, body.format, body.sample_rate)
         return await self._stream(request, body.format, body.sample_rate, received_s)
 
-    # ---- voices ----------------------------------------------------------------------------
-
-    def _owner(self, http: Request) -> str:
-        """The owner id of the caller's voices (a hash of its API key; one shared owner when the
-        service runs without keys)."""
-        keys: KeyRing = api_app.state.keys
-        label = getattr(http.state, "api_key_label", None)
-        if keys.enabled and label is None:  # RequestGuard authenticates every /v1 route
-            raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
-        return keys.owner(label)
-
     async def _voice(self, voice: str, http: Request) -> str:
         """The engine voice a speech request asks for: an alias becomes the default voice; a
         stored voice must belong to the caller (else 404), any other name must be the engine's
         (else 400 listing the names), so a bad one never reaches the GPU."""
-        return await resolve_voice(self._voices, self._owner(http), voice,
+        return await resolve_voice(self._voices, owner_of(http), voice,
                                    self._api.voice_aliases, await self._engine_info())
-
-    @api_app.post("/v1/audio/voices", summary="Create a voice from a reference clip",
-                  responses={409: {"description": "the key keeps max_voices_per_key voices"},
-                             413: {"description": "upload larger than max_voice_upload_bytes"},
-                             422: {"description": "the engine cannot clone voices (piper)"}})
-    async def create_voice(
-            self, http: Request,
-            name: str = Form(..., description="The voice's name (1 to 256 characters)"),
-            audio_sample: UploadFile = File(
-                ..., description="The reference clip: wav, flac, ogg or mp3, 1 to 30 s of one "
-                                 "person speaking"),
-            consent: str | None = Form(None, description=CONSENT_DESCRIPTION),
-    ) -> dict[str, Any]:
-        """Multipart form: ``name``, ``audio_sample`` (file), ``consent`` (true). The clip is
-        checked here, embedded once by a Synthesizer replica and stored with the voice."""
-        info = await self._engine_info()
-        if not info.clones_voices:
-            raise errors.voice_cloning_unsupported(info.model_id)
-        if (consent or "").strip().lower() not in CONSENT_AFFIRMED:
-            raise ApiError(400, "consent must be true: attest that the person speaking in "
-                                "audio_sample agreed to having their voice cloned",
-                           param="consent", code="consent_required")
-        try:
-            name = check_name(name)
-        except InvalidRequestError as exc:
-            raise errors.refused(exc) from None
-        owner = self._owner(http)
-        limit = self._api.max_voices_per_key
-        voice_limit = ApiError(409, f"this API key already keeps {limit} voices; delete one "
-                                    "first (DELETE /v1/audio/voices/{id})",
-                               code="voice_limit_reached")
-        if await store_call(self._voices.count, owner) >= limit:
-            raise voice_limit
-        data = await audio_sample.read()
-        try:
-            clip = await asyncio.to_thread(decode_clip, data, self._api.min_voice_clip_s,
-                                           self._api.max_voice_clip_s)
-        except InvalidRequestError as exc:
-            raise errors.refused(exc) from None
-        embeddings = await self._embed(clip.samples, clip.sample_rate_hz)
-        consent_record = {"attested": True, "statement": CONSENT_DESCRIPTION,
-                          "at": int(time.time())}
-        try:
-            record = await store_call(
-                functools.partial(self._voices.create, owner, name, clip, embeddings,
-                                  consent=consent_record, model_id=info.model_id,
-                                  max_voices=limit))
-        except VoiceLimitReached:
-            raise voice_limit from None
-        logger.info("voice %s created (%.1f s clip, %s, embeddings %s)", record.id,
-                    record.clip_seconds, clip.container,
-                    "x".join(map(str, record.embedding_shape)))
-        return record.public()
-
-    async def _embed(self, samples: Any, sample_rate_hz: int) -> Any:
-        """The clip's embeddings from a Synthesizer replica, or the ApiError it answered."""
-        call = self._synthesizer.embed_voice.remote(samples, sample_rate_hz)
-        try:
-            embedded = await asyncio.wait_for(call, self._api.voice_embed_timeout_s)
-        except TimeoutError:
-            call.cancel()
-            logger.error("voice embedding: no answer within %.0f s",
-                         self._api.voice_embed_timeout_s)
-            raise ApiError(504, "embedding the voice clip timed out", code="timeout",
-                           error_type="server_error") from None
-        except BackPressureError:
-            raise errors.overloaded() from None
-        except Exception as exc:  # a dead or restarting replica: Serve brings it back
-            logger.error("voice embedding failed (%s)", type(exc).__name__)
-            raise errors.not_ready() from None
-        if isinstance(embedded, ApiError):
-            raise embedded
-        return embedded
-
-    @api_app.get("/v1/audio/voices", summary="The voices of the caller's API key")
-    async def list_voices(self, http: Request) -> dict[str, Any]:
-        records = await store_call(self._voices.list, self._owner(http))
-        return {"object": "list", "data": [record.public() for record in records]}
-
-    @api_app.get("/v1/audio/voices/{voice_id}", summary="One of the caller's voices",
-                 responses={404: {"description": "no such voice for this API key"}})
-    async def get_voice(self, voice_id: str, http: Request) -> dict[str, Any]:
-        try:
-            record = await store_call(self._voices.get, self._owner(http), voice_id)
-        except VoiceNotFound:
-            raise errors.voice_not_found(voice_id) from None
-        return record.public()
-
-    @api_app.delete("/v1/audio/voices/{voice_id}", summary="Delete one of the caller's voices",
-                    responses={404: {"description": "no such voice for this API key"}})
-    async def delete_voice(self, voice_id: str, http: Request) -> dict[str, Any]:
-        try:
-            await store_call(self._voices.delete, self._owner(http), voice_id)
-        except VoiceNotFound:
-            raise errors.voice_not_found(voice_id) from None
-        logger.info("voice %s deleted", voice_id)
-        return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
 
     def _checked_text(self, text: str, param_names: dict[str, str] | None = None) -> str:
         """The text under the shared rule (serve_app.engines.text_rule), or a 400 naming the route's

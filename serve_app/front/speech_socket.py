@@ -19,7 +19,6 @@ idle limit (``api.ws_idle_timeout_s`` without a message while input is open) or 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -38,6 +37,15 @@ from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.gpu.routing import PIN_KEYWORD
 from serve_app.front.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
+from serve_app.front.socket_channel import (
+    CLOSE_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    SessionEnd,
+    SocketChannel,
+    api_error_event,
+    bad_message,
+)
 from serve_app.front.stream_open import open_stream
 from serve_app.voices.store import resolve_voice
 
@@ -45,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 router = APIRouter()
 ROUTE = "/v1/audio/speech/stream"
-# Close codes (RFC 6455): normal, policy violation (auth), internal error.
-CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR = 1000, 1008, 1011
 
 
 class SessionStart(BaseModel):
@@ -65,30 +71,12 @@ class SessionStart(BaseModel):
     _instructions_no_nul = field_validator("instructions")(no_nul)
 
 
-class SessionEnd(Exception):
-    """Ends the session: ``event`` (if any) is sent, then the socket closes with ``close_code``."""
-
-    def __init__(self, event: dict[str, Any] | None, close_code: int = CLOSE_NORMAL) -> None:
-        super().__init__(event)
-        self.event = event
-        self.close_code = close_code
-
-
-def _api_error_event(error: ApiError) -> dict[str, Any]:
-    return error_event(error.message, error.code or "invalid_request", error.error_type,
-                       error.param)
-
-
-def _bad_message(message: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return error_event(message, code, "invalid_request_error", param)
-
-
-class SpeechSession:
+class SpeechSession(SocketChannel):
     """One socket's session: opens the stream, feeds it text, relays its audio and events."""
 
     def __init__(self, socket: WebSocket) -> None:
+        super().__init__(socket, uuid.uuid4().hex)
         state = socket.app.state
-        self.socket = socket
         self.api: ApiConfig = state.api_config
         self.keys: KeyRing = state.keys
         self.admission: StreamAdmission = state.admission
@@ -97,44 +85,12 @@ class SpeechSession:
         self.metrics = state.metrics
         self.voice_store = state.voice_store
         self.engine_info = state.engine_info  # the Ingress's (cached after its first answer)
-        self.request_id = uuid.uuid4().hex
         self.key: str | None = None  # the API key's log label, once authenticated
-        self.send_lock = asyncio.Lock()
         self.replica_id: str | None = None
         self.upstream: Any = None  # the synthesizer stream: cancelled when the session ends
         self.text_chars = 0
         self.input_done = False
         self.first_delta_s: float | None = None
-
-    async def send(self, event: dict[str, Any], data: bytes | None = None) -> None:
-        """One event (and its binary frame) at a time: reader and writer both send."""
-        async with self.send_lock:
-            await self.socket.send_text(json.dumps(event, separators=(",", ":")))
-            if data:
-                await self.socket.send_bytes(data)
-
-    async def receive(self, timeout_s: float | None) -> dict[str, Any] | None:
-        """The next JSON message; None (after an error event) for one that is not."""
-        try:
-            message = await asyncio.wait_for(self.socket.receive(), timeout_s)
-        except TimeoutError:
-            raise SessionEnd(_bad_message(f"no message for {timeout_s:g} s", "idle_timeout"),
-                             CLOSE_POLICY) from None
-        if message["type"] == "websocket.disconnect":
-            raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
-        if message.get("text") is None:
-            await self.send(_bad_message("messages must be JSON text, not binary", "binary_message"))
-            return None
-        try:
-            body = json.loads(message["text"])
-        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
-            await self.send(_bad_message("message is not valid JSON", "invalid_json"))
-            return None
-        if not isinstance(body, dict) or not isinstance(body.get("type"), str):
-            await self.send(_bad_message("message must be a JSON object with a type", "invalid_json",
-                                         "type"))
-            return None
-        return body
 
     # ---- session start ---------------------------------------------------------------------
 
@@ -145,7 +101,7 @@ class SpeechSession:
             if body is None:
                 continue
             if body["type"] != "session.start":
-                await self.send(_bad_message("the first message must be session.start",
+                await self.send(bad_message("the first message must be session.start",
                                              "session_not_started", "type"))
                 continue
             try:
@@ -153,7 +109,7 @@ class SpeechSession:
             except ValidationError as exc:
                 first = exc.errors()[0]
                 param = ".".join(str(part) for part in first.get("loc", ())) or None
-                await self.send(_bad_message(f"invalid value for {param}: {first['msg']}",
+                await self.send(bad_message(f"invalid value for {param}: {first['msg']}",
                                              "invalid_value", param))
                 continue
             problem = self.check(start)
@@ -168,12 +124,12 @@ class SpeechSession:
         try:
             self.key = self.keys.authenticate(header or f"Bearer {start.api_key or ''}")
         except ApiError as error:
-            raise SessionEnd(_api_error_event(error), CLOSE_POLICY) from None
+            raise SessionEnd(api_error_event(error), CLOSE_POLICY) from None
         problem = check_format_rate(start.response_format, start.sample_rate)
         if problem is not None:
-            return _bad_message(problem, "unsupported_sample_rate", "sample_rate")
+            return bad_message(problem, "unsupported_sample_rate", "sample_rate")
         if start.instructions and len(start.instructions) > self.api.max_instructions_chars:
-            return _bad_message(f"instructions is longer than {self.api.max_instructions_chars} "
+            return bad_message(f"instructions is longer than {self.api.max_instructions_chars} "
                                 "characters", "string_too_long", "instructions")
         return None
 
@@ -191,7 +147,7 @@ class SpeechSession:
             first, pieces, self.upstream = await open_stream(self.synthesizer, job, self.api,
                                                              self.encoder_metrics)
         except ApiError as error:
-            raise SessionEnd(_api_error_event(error), CLOSE_NORMAL) from None
+            raise SessionEnd(api_error_event(error), CLOSE_NORMAL) from None
         if not isinstance(first, TextInputOpen):
             self.upstream.cancel()
             logger.error("session %s: stream opened without its replica", self.request_id)
@@ -215,28 +171,28 @@ class SpeechSession:
                 await self.delta(body.get("delta"))
             elif kind == "input_text.done":
                 if self.input_done:
-                    await self.send(_bad_message("input is already done", "input_done"))
+                    await self.send(bad_message("input is already done", "input_done"))
                     continue
                 self.input_done = True
                 await self.feed("", done=True)
             else:
-                await self.send(_bad_message(f"unknown message type {kind!r}", "unknown_type",
+                await self.send(bad_message(f"unknown message type {kind!r}", "unknown_type",
                                              "type"))
 
     async def delta(self, text: Any) -> None:
         if not isinstance(text, str):
-            await self.send(_bad_message("delta must be a string", "invalid_value", "delta"))
+            await self.send(bad_message("delta must be a string", "invalid_value", "delta"))
         elif "\x00" in text:
-            await self.send(_bad_message("delta must not contain NUL characters", "invalid_value",
+            await self.send(bad_message("delta must not contain NUL characters", "invalid_value",
                                          "delta"))
         elif self.input_done:
-            await self.send(_bad_message("input is already done: no more text", "input_done",
+            await self.send(bad_message("input is already done: no more text", "input_done",
                                          "delta"))
         elif len(text) > self.api.max_text_delta_chars:
-            await self.send(_bad_message(f"delta is longer than {self.api.max_text_delta_chars} "
+            await self.send(bad_message(f"delta is longer than {self.api.max_text_delta_chars} "
                                          "characters", "delta_too_long", "delta"))
         elif self.text_chars + len(text) > self.api.max_input_chars:
-            await self.send(_bad_message(f"the text would pass {self.api.max_input_chars} "
+            await self.send(bad_message(f"the text would pass {self.api.max_input_chars} "
                                          "characters", "text_too_long", "delta"))
         elif text:
             if self.first_delta_s is None:
@@ -300,7 +256,7 @@ class SpeechSession:
             try:
                 self.admission.acquire(self.key)
             except ApiError as error:
-                raise SessionEnd(_api_error_event(error), CLOSE_POLICY) from None
+                raise SessionEnd(api_error_event(error), CLOSE_POLICY) from None
             admitted = True
             self.metrics.stream_started()
             pieces = await self.open(start)
@@ -322,22 +278,6 @@ class SpeechSession:
                 self.admission.release(self.key)
         if close_code is not None:
             await self.send_last(None, close_code)
-
-    async def send_last(self, event: dict[str, Any] | None,
-                        close_code: int | None = None) -> bool:
-        """The session's last event, or its close; False when the client has already left (a
-        ``cancel`` followed at once by a close, say): its choice, logged at INFO."""
-        try:
-            if close_code is None:
-                await self.send(event)
-            else:
-                await self.socket.close(close_code)
-        except Exception as exc:  # the socket is gone: whatever the server layer raises
-            logger.info("session %s: the client left before the %s (%s)", self.request_id,
-                        "close" if event is None else repr(event.get("type")),
-                        type(exc).__name__)
-            return False
-        return True
 
     async def relay(self, pieces: Any) -> None:
         """Text in and audio out at once; whichever ends the session first stops the other.
