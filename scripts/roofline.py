@@ -40,7 +40,7 @@ class GPU:
 GPUS = {"h100": GPU("H100 SXM", 3.35e12, 989e12), "h200": GPU("H200", 4.8e12, 989e12),
         "a10g": GPU("A10G", 600e9, 125e12)}
 
-# Phases of the engine step (StepLoop._phase) and what each asks of the device; "schedule" is
+# Phases of the engine step (step/phases.py:PhaseClock.lap) and what each asks of the device; "schedule" is
 # host work only.
 PHASE_WORK = {"admit_prefill": "LLM prefill of admitted prompts",
               "llm_decode": "batched LLM decode steps (chat text)",

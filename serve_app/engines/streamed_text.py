@@ -17,7 +17,7 @@ Piper speaks each piece as soon as it is complete (:class:`ClauseFeed`). MiniCPM
 it comes, ten TTS tokens at a time, and needs the rule only when the text stops: when nothing has
 been fed for ``text_break_wait_s`` and its speech has caught up, it speaks the text up to the last
 break to its end at once and carries on with the rest in a new segment
-(``minicpmo/step_loop.py``).
+(``minicpmo/step/text_intake.py``).
 """
 
 from __future__ import annotations
