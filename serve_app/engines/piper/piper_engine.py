@@ -25,6 +25,11 @@ Streaming and batching:
 - Text: the shared rule (``serve_app.engines.text_rule``) first; then ``validate`` phonemizes the text
   (cached for the step that follows) and refuses with ``nothing_to_speak`` a text espeak-ng finds
   nothing to say in (``"..."``, ``"—"``), which would otherwise stream no audio at all.
+
+This module holds the engine contract and the step loop; the jobs it hands out live beside it:
+text checks and phonemizing in :mod:`~.piper_text`, the worker's batched step in
+:mod:`~.piper_step`, a stream's bookkeeping and its next chunk in :mod:`~.piper_stream`, the
+ONNX session and padded synthesis in :mod:`~.piper_voice`.
 """
 
 from __future__ import annotations
@@ -33,19 +38,14 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from piper import PiperVoice
 from piper.config import PiperConfig
 
 from serve_app.engines.base import (
-    TEXT_INPUTS,
-    AudioChunk,
     EngineError,
     EngineOverloadedError,
     EngineStats,
@@ -58,44 +58,30 @@ from serve_app.engines.base import (
     WithoutVoiceCloning,
     deliver_to,
 )
+from serve_app.engines.faults import FaultInjection, crash_process
 from serve_app.engines.piper.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.piper.options import PiperOptions
-from serve_app.engines.faults import FaultInjection, crash_process
-from serve_app.engines.piper.piper_voice import load_voice, phoneme_pieces, synthesize_batch
+from serve_app.engines.piper.piper_step import StepResult, run_step
+from serve_app.engines.piper.piper_stream import PiperStream, next_chunk
+from serve_app.engines.piper.piper_text import (
+    MAX_SPEED,
+    MIN_SPEED,
+    VOICE_NAME,
+    Phonemizer,
+    check_request,
+    scales_for,
+)
+from serve_app.engines.piper.piper_voice import load_voice, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
-from serve_app.engines.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
-from serve_app.engines.usage import usage_in_characters
+from serve_app.engines.text_rule import MAX_TEXT_CHARS
+
+__all__ = ["MAX_SPEED", "MIN_SPEED", "MODEL_ID", "VOICE_NAME", "PiperEngine"]
 
 logger = logging.getLogger(__name__)
 
-VOICE_NAME = "joe"
 MODEL_ID = "piper-en_US-joe-medium"
-MIN_SPEED = 0.25
-MAX_SPEED = 4.0
-_PHONEMIZED_TEXTS_KEPT = 32  # validate's phoneme pieces, kept for the step that speaks them
 _WARMUP_TEXT = ("Warming up the voice with one long sentence that keeps on going for a while, "
                 "so that the first real request of a similar length finds every buffer ready.")
-
-Scales = tuple[float, float, float]
-
-
-@dataclass
-class _Stream:
-    request: SpeechRequest
-    scales: Scales
-    submitted_at_s: float
-    sink: OutputSink  # where its chunks go (Engine.submit_to)
-    pieces: deque | None = None  # phoneme-id pieces still to synthesize; None before phonemizing
-    fed: ClauseFeed | None = None  # streamed input; its clauses are phonemized by the worker
-    samples_emitted: int = 0
-    started: bool = False
-    chunks_sent: int = 0
-    not_before_s: float = 0.0  # fault injection: not scheduled again before this time
-
-    def has_work(self) -> bool:
-        """Something to synthesize, or the final chunk to send; False while waiting for text."""
-        return bool(self.pieces is None or self.pieces or self.fed is None or self.fed.clauses
-                    or not self.fed.open())
 
 
 class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning is refused
@@ -119,16 +105,13 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._synthesize_rows = functools.partial(synthesize_batch, voice, has_durations)
         self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
         self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
-        self._max_sentence_phonemes = max_sentence_phonemes
-        self._first_piece_phonemes = first_piece_phonemes
-        # espeak-ng keeps global state: validate (event loop) and the step thread take turns.
-        self._espeak_lock = threading.Lock()
-        self._phoneme_pieces = functools.lru_cache(_PHONEMIZED_TEXTS_KEPT)(
-            self._phonemize_locked)
+        # Phonemizing (espeak-ng, one lock for validate and the step thread) and its cache.
+        self._phonemizer = Phonemizer(voice, max_sentence_phonemes, first_piece_phonemes)
+        self._phonemize = self._phonemizer.phonemize  # text -> phoneme-id pieces, unlocked
         # Streams held beyond the batch's rows; more than this is refused (bounded memory).
         self._max_queued_streams = max_queued_streams
         self._faults = FaultInjection.from_options(fault_injection)
-        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._streams: OrderedDict[str, PiperStream] = OrderedDict()
         self._stats = EngineStats(max_slots=self.max_batch_size)
         # One worker: ONNX Runtime parallelises inside a step; steps themselves are sequential.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="piper-step")
@@ -150,28 +133,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         return [VOICE_NAME]
 
     def validate(self, request: SpeechRequest) -> None:
-        if request.mode != "read":
-            raise InvalidRequestError(
-                "The piper engine cannot chat: it only reads the given text aloud "
-                "(use mode 'read', or deploy the minicpmo engine for chat).",
-                param="mode", code="unsupported_mode", status_code=422)
-        if request.text_input not in TEXT_INPUTS:
-            raise InvalidRequestError(f"unknown text_input {request.text_input!r}", "text_input")
-        if request.text_input == "whole":
-            check_text(request.text)
-            if not self._phoneme_pieces(request.text):
-                raise InvalidRequestError("text holds nothing this voice can speak",
-                                          param="text", code=NOTHING_TO_SPEAK)
-        elif len(request.text) > MAX_TEXT_CHARS:
-            raise InvalidRequestError(f"text is longer than {MAX_TEXT_CHARS} characters",
-                                      param="text", code="text_too_long")
-        if request.voice not in (VOICE_NAME, "default"):
-            raise InvalidRequestError(
-                f"unknown voice {request.voice!r}; available: {VOICE_NAME}", param="voice",
-                code="unknown_voice")
-        if not (MIN_SPEED <= request.speed <= MAX_SPEED):
-            raise InvalidRequestError(f"speed must be within [{MIN_SPEED}, {MAX_SPEED}]",
-                                      param="speed", code="invalid_speed")
+        check_request(request, self._phonemizer.pieces)
         if request.request_id in self._streams:
             raise InvalidRequestError("request id already in use", param="request_id",
                                       code="duplicate_request_id")
@@ -185,8 +147,9 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._ensure_loop()
         now = time.perf_counter()
         for request in requests:
-            stream = _Stream(request=request, scales=self._scales(request), submitted_at_s=now,
-                             sink=sink)
+            scales = scales_for(request, self._config.length_scale, self._noise_scale,
+                                self._noise_w_scale)
+            stream = PiperStream(request=request, scales=scales, submitted_at_s=now, sink=sink)
             if request.text_input == "streamed":
                 stream.pieces = deque()
                 stream.fed = ClauseFeed(request.text, MAX_TEXT_CHARS)
@@ -216,7 +179,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         return EngineStats(**self._stats.as_dict())
 
     def warmup(self) -> None:
-        ids = self._phoneme_pieces(_WARMUP_TEXT)[0]
+        ids = self._phonemizer.pieces(_WARMUP_TEXT)[0]
         # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
         self._synthesize_rows([ids] * rows, (self._noise_scale, self._config.length_scale,
@@ -262,10 +225,10 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             outbox.deliver()
             self._refresh_gauges()
 
-    def _next_streams(self) -> list[_Stream]:
+    def _next_streams(self) -> list[PiperStream]:
         """Round robin: the first ``max_batch_size`` streams, then move them to the back."""
         now = time.monotonic()
-        chosen: list[_Stream] = []
+        chosen: list[PiperStream] = []
         for stream in list(self._streams.values()):
             if len(chosen) == self.max_batch_size:
                 break
@@ -284,7 +247,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         delayed = [s.not_before_s for s in self._streams.values() if s.not_before_s > 0]
         return max(0.0, min(delayed) - time.monotonic()) if delayed else None
 
-    def _inject_fault(self, stream: _Stream) -> bool:
+    def _inject_fault(self, stream: PiperStream) -> bool:
         """Apply the configured fault to a stream; False if it must not be scheduled."""
         assert self._faults is not None
         action = self._faults.action(stream.request.text, stream.chunks_sent)
@@ -302,44 +265,14 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             stream.not_before_s = time.monotonic() + self._faults.delay_s
         return action != "stall"
 
-    def _step(self, streams: list[_Stream]) -> list[np.ndarray | None | BaseException]:
+    def _step(self, streams: list[PiperStream]) -> list[StepResult]:
         """Worker thread: next piece of each stream; None = stream has nothing (left) to say."""
-        results: list[np.ndarray | None | BaseException] = [None] * len(streams)
-        groups: dict[Scales, list[tuple[int, list[int]]]] = {}
-        for index, stream in enumerate(streams):
-            try:
-                if stream.pieces is None:
-                    stream.pieces = deque(self._phoneme_pieces(stream.request.text))
-                if stream.fed is not None:
-                    for clause in stream.fed.clauses:
-                        first = not stream.started and not stream.pieces
-                        with self._espeak_lock:
-                            stream.pieces.extend(self._phonemize(clause, first))
-                    stream.fed.clauses = []
-                if stream.pieces:
-                    groups.setdefault(stream.scales, []).append((index, stream.pieces.popleft()))
-            except Exception as exc:  # one bad text must not fail the others
-                results[index] = exc
-        for scales, rows in groups.items():
-            try:
-                audios = self._synthesize_rows([ids for _, ids in rows], scales)
-            except Exception:
-                logger.exception("batched synthesis failed; retrying rows one by one")
-                audios = []
-                for _, ids in rows:
-                    try:
-                        audios.append(self._synthesize_rows([ids], scales)[0])
-                    except Exception as exc:
-                        audios.append(exc)
-            for (index, _), audio in zip(rows, audios):
-                results[index] = audio
-        return results
+        return run_step(streams, self._phonemizer, self._synthesize_rows)
 
-    def _deliver(self, outbox: Outbox, stream: _Stream, result: np.ndarray | None | BaseException,
+    def _deliver(self, outbox: Outbox, stream: PiperStream, result: StepResult,
                  step_s: float) -> None:
         request_id = stream.request.request_id
-        if self._streams.get(request_id) is not stream or (result is None and stream.fed
-                                                           and stream.fed.open()):
+        if self._streams.get(request_id) is not stream or stream.waits_for_text(result):
             return  # aborted while the step ran, or streamed text without speech (yet)
         if isinstance(result, BaseException):
             self._streams.pop(request_id, None)
@@ -347,51 +280,12 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             logger.error("request %s failed: %r", request_id, result)
             outbox.put(stream.sink, request_id, EngineError("speech synthesis failed"))
             return
-        samples = np.zeros(0, dtype=np.float32) if result is None else result
-        max_audio_s = stream.request.max_audio_s
-        truncated = False
-        if max_audio_s is not None:
-            budget = int(max_audio_s * self.sample_rate_hz) - stream.samples_emitted
-            truncated = len(samples) >= budget
-            samples = samples[:max(budget, 0)]
-        stream.samples_emitted += len(samples)
-        stream.chunks_sent += 1
-        final = truncated or not (stream.pieces or (stream.fed is not None and stream.fed.open()))
-        if (not final and self._faults is not None
-                and self._faults.action(stream.request.text, stream.chunks_sent) == "delay"):
-            # The next chunk waits again.
-            stream.not_before_s = time.monotonic() + self._faults.delay_s
-        timings = {"step_s": step_s}
-        if not stream.started:
-            stream.started = True
-            timings["first_chunk_s"] = time.perf_counter() - stream.submitted_at_s
-        if final:
+        chunk = next_chunk(stream, result, step_s, self.sample_rate_hz, self._faults)
+        if chunk.final:
             self._streams.pop(request_id, None)
             self._stats.completed += 1
-        chars = stream.fed.text.chars if stream.fed is not None else len(stream.request.text)
-        usage = (usage_in_characters(chars, stream.request.system_prompt, stream.samples_emitted,
-                                     self.sample_rate_hz) if final else None)
-        outbox.put(stream.sink, request_id,
-                   AudioChunk(request_id=request_id, samples=samples,
-                              sample_rate_hz=self.sample_rate_hz, final=final, timings_s=timings,
-                              usage=usage))
+        outbox.put(stream.sink, request_id, chunk)
 
     def _refresh_gauges(self) -> None:
         self._stats.active_streams = min(len(self._streams), self.max_batch_size)
         self._stats.queued_streams = max(0, len(self._streams) - self.max_batch_size)
-
-    # -- model ------------------------------------------------------------------------------
-
-    def _scales(self, request: SpeechRequest) -> Scales:
-        length_scale = self._config.length_scale / request.speed
-        if request.seed is not None:
-            return (0.0, length_scale, 0.0)
-        return (self._noise_scale, length_scale, self._noise_w_scale)
-
-    def _phonemize_locked(self, text: str) -> tuple[tuple[int, ...], ...]:
-        with self._espeak_lock:
-            return tuple(tuple(ids) for ids in self._phonemize(text))
-
-    def _phonemize(self, text: str, first: bool = True) -> list[list[int]]:
-        return phoneme_pieces(self._voice, text, self._max_sentence_phonemes,
-                              self._first_piece_phonemes if first else 0)
