@@ -3,6 +3,12 @@
 
 Audio a stream produced leaves as soon as no later piece can change it: chunks go into the step's
 :class:`~serve_app.engines.base.Outbox`, delivered to the streams' sinks when the step ends.
+
+The final chunk carries the stream's token usage (:func:`stream_usage`), counted where the engine
+tokenizes its text: the whole text and the instructions when the request is planned (in the
+caller's thread, :attr:`~.scheduler.StreamPlan.input_tokens`), streamed text as its
+:class:`~.text.TextFeed` tokenizes it; its output tokens are the audio code frames the TTS
+generated for it.
 """
 
 from __future__ import annotations
@@ -13,10 +19,20 @@ from typing import Sequence
 import numpy as np
 
 from ..base import AudioChunk, Outbox
+from ..usage import StreamUsage
 from .model.codec import SAMPLE_RATE_HZ
 from .scheduler import Stream
 from .speech_schedule import DecodeJob
-from .usage import stream_usage
+
+
+def stream_usage(stream: Stream) -> StreamUsage:
+    """The stream's usage at its end (a plan made without counts, as the golden tests' are,
+    counts only its fed text)."""
+    plan = stream.plan
+    tokens = plan.input_tokens
+    if plan.text_feed is not None:
+        tokens += plan.text_feed.tokens
+    return StreamUsage(input_tokens=tokens, output_tokens=stream.tts_steps)
 
 
 def send(outbox: Outbox, stream: Stream, item: object) -> None:

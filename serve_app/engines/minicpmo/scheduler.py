@@ -41,6 +41,9 @@ class StreamPlan:
     # The prompt's token ids; a plan submitted without them gets them at submission (in the
     # caller's thread: the step thread never tokenizes).
     prompt_ids: list[int] | None = None
+    # Usage's input tokens known when the plan was made: the instructions', and the text's
+    # unless it is streamed (its feed counts those). Plans made by hand (the golden tests') leave 0.
+    input_tokens: int = 0
 
     @property
     def is_chat(self) -> bool:
