@@ -285,7 +285,22 @@ class CpuMeter:
 
 INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
 SYNTHESIZER_LINE = re.compile(
-    r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)")
+    r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)"
+    r"(?: engine_sent_ms=([\d.]+|-) replica_received_ms=([\d.]+|-)"
+    r" replica_dispatched_ms=([\d.]+|-))?")
+# The Synthesizer replica's leg of a first chunk, split by the clock readings its log line
+# carries (ms since the request reached the replica): name -> (later reading, earlier one).
+REPLICA_LEG = {
+    # arrival -> the engine process submitted it (its send time minus the engine's own TTFB):
+    # @serve.batch admission and the submission to the engine process
+    "to_engine_ms": ("sent", "engine"),
+    # the engine process's sink took the chunk -> the replica's reader thread read it
+    "engine_to_reader_ms": ("received", "sent"),
+    # the reader thread -> the replica's event loop put it in the stream's inbox
+    "reader_to_loop_ms": ("dispatched", "received"),
+    # the inbox -> the chunk left the replica (Serve took it from the stream)
+    "loop_to_out_ms": ("replica", "dispatched"),
+}
 
 
 BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)"
@@ -314,10 +329,14 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
     p99 of the client's TTFB, the ingress's (arrival there to first body byte), the
     synthesizer replica's (arrival to first chunk) and the engine's (submission to first
     audio, where the first chunk carried it); ``hops_ms`` is the client's minus the engine's,
-    request by request. ``requests`` counts the matched requests, ``requests_ok`` the level's."""
+    request by request; ``replica_leg`` splits the replica's time around the engine's
+    (:data:`REPLICA_LEG`). ``requests`` counts the matched requests, ``requests_ok`` the
+    level's."""
     ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
-    synthesizer = {m[1]: (float(m[2]), None if m[3] == "-" else float(m[3]))
-                   for m in SYNTHESIZER_LINE.finditer(log_text)}
+    synthesizer = {m[1]: (float(m[2]), _reading(m[3])) for m in SYNTHESIZER_LINE.finditer(log_text)}
+    readings = {m[1]: {"replica": float(m[2]), "engine": _reading(m[3]), "sent": _reading(m[4]),
+                       "received": _reading(m[5]), "dispatched": _reading(m[6])}
+                for m in SYNTHESIZER_LINE.finditer(log_text)}
     ok = [r for r in rows if r.get("ok") and r.get("ttfb_s") is not None]
     joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]], *synthesizer[r["request_id"]])
               for r in ok if r.get("request_id") in ingress and r.get("request_id") in synthesizer]
@@ -329,7 +348,20 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
         result[f"{name}_ms"] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
     hops = [client - engine for client, _, _, engine in joined if engine is not None]
     result["hops_ms"] = {"p50": percentile(hops, 50), "p99": percentile(hops, 99)}
+    matched = [readings[r["request_id"]] for r in ok if r.get("request_id") in readings]
+    leg = {}
+    for name, (later, earlier) in REPLICA_LEG.items():
+        values = [row[later] - row[earlier] for row in matched
+                  if row[later] is not None and row[earlier] is not None]
+        if values:
+            leg[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    if leg:
+        result["replica_leg"] = leg
     return result
+
+
+def _reading(text: str | None) -> float | None:
+    return None if text in (None, "-") else float(text)
 
 
 def percentile(values: list[float], q: float) -> float | None:

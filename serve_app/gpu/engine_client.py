@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Callable
@@ -81,6 +82,22 @@ class Inbox:
                and self.items[0].sample_rate_hz == first.sample_rate_hz):
             joined.append(self.items.popleft())
         return first if len(joined) == 1 else join_chunks(joined)
+
+
+# A stream's first chunk carries the engine's own TTFB under one of these names (MiniCPM-o, Piper).
+ENGINE_TTFB_TIMINGS = ("ttfb_s", "first_chunk_s")
+
+
+def is_first_chunk(chunk: AudioChunk) -> bool:
+    return any(name in chunk.timings_s for name in ENGINE_TTFB_TIMINGS)
+
+
+def stamp_way_back(chunk: AudioChunk, made_at_s: float, received_at_s: float) -> None:
+    """Clock readings (``time.perf_counter``, one clock for every process of a host) of a first
+    chunk's way to the replica: the engine process's sink took it, the replica's reader thread
+    read it, the replica's event loop handed it to the stream's inbox."""
+    chunk.timings_s.update(engine_sent_at_s=made_at_s, replica_received_at_s=received_at_s,
+                           replica_dispatched_at_s=time.perf_counter())
 
 
 def join_chunks(chunks: list[AudioChunk]) -> AudioChunk:
@@ -278,7 +295,7 @@ class EngineClient:
             if isinstance(message, Stats):
                 self._stats = message.stats
             elif self._loop is not None:
-                self._loop.call_soon_threadsafe(self._dispatch, message)
+                self._loop.call_soon_threadsafe(self._dispatch, message, time.perf_counter())
         code = self._process.wait()
         dead = EngineDeadError(f"the engine process exited with code {code}")
         if not self._closing:
@@ -293,11 +310,13 @@ class EngineClient:
         if not self._closing and self._on_death is not None:
             self._on_death()
 
-    def _dispatch(self, message: object) -> None:
+    def _dispatch(self, message: object, received_at_s: float = 0.0) -> None:
         if isinstance(message, Outputs):
             for request_id, item in message.items:
                 inbox = self._inboxes.get(request_id)
                 if inbox is not None:  # else its caller is gone
+                    if isinstance(item, AudioChunk) and is_first_chunk(item):
+                        stamp_way_back(item, message.made_at_s, received_at_s)
                     inbox.put(item)
         elif isinstance(message, Reply):
             future = self._replies.pop(message.call_id, None)

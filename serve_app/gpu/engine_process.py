@@ -32,6 +32,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -202,10 +203,11 @@ class EngineServer:
     def _send_out(self, items: list[tuple[str, object]]) -> None:
         """The engine's output sink (called from its step thread): one message per delivery,
         pickled here, written by the sender thread."""
+        made_at_s = time.perf_counter()
         out = [(request_id, item if isinstance(item, AudioChunk) else portable(item))
                for request_id, item in items]
         try:
-            self._put(Outputs(out))
+            self._put(Outputs(out, made_at_s))
         except Exception:  # one item that cannot be sent ends its own stream, not the others
             logger.exception("could not pickle a step's output; sending it item by item")
             for request_id, item in out:

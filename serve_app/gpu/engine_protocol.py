@@ -84,6 +84,9 @@ class Outputs:
     the stream's usage) or the exception that ended the stream."""
 
     items: list[tuple[str, AudioChunk | BaseException]]
+    # time.perf_counter() in the engine process when its sink took them (CLOCK_MONOTONIC: the
+    # replica's clock too), so a first chunk's way back can be timed hop by hop
+    made_at_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from serve_app.engines.base import (
 )
 from serve_app.errors import ApiError
 from serve_app.gpu.admission import BatchedAdmission, refused
-from serve_app.gpu.engine_client import EngineClient, EngineDeadError
+from serve_app.gpu.engine_client import ENGINE_TTFB_TIMINGS, EngineClient, EngineDeadError
 from serve_app.gpu.engine_watch import EngineWatch, exit_soon, rss_bytes
 from serve_app.gpu.replica_voices import ReplicaVoices
 from serve_app.gpu.routing import ROUTER_PATH
@@ -136,7 +136,7 @@ class Synthesizer:
             yield errors.synthesis_failed(request_id, exc)
         finally:
             if first_chunk is not None:
-                _log_first_chunk(request_id, replica_ttfb_s, first_chunk)
+                _log_first_chunk(request_id, arrived_s, replica_ttfb_s, first_chunk)
             self._in_flight -= 1
             self._watch.waiting_for_admission.discard(request_id)
             # Caller gone (cancelled or closed) before the end: free the engine slot now. This
@@ -221,9 +221,21 @@ class Synthesizer:
         await asyncio.to_thread(engine.close)
 
 
-def _log_first_chunk(request_id: str, replica_ttfb_s: float, chunk: AudioChunk) -> None:
-    """Where a stream's first audio came from: seconds from its arrival at this replica, and
-    the engine's own (submission to first audio); scripts/bench_serve reads these lines."""
-    engine_s = chunk.timings_s.get("ttfb_s", chunk.timings_s.get("first_chunk_s"))
-    logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s", request_id,
-                replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}")
+def _log_first_chunk(request_id: str, arrived_s: float, replica_ttfb_s: float,
+                     chunk: AudioChunk) -> None:
+    """Where a stream's first audio came from: ms from its arrival at this replica to its first
+    chunk leaving, the engine's own TTFB (submission to first audio), and, on the way back, ms
+    from the arrival to the engine process sending the chunk, this replica's reader reading it
+    and its event loop taking it (``engine_client.stamp_way_back``); scripts/bench_serve reads
+    these lines."""
+    timings = chunk.timings_s
+    engine_s = next((timings[name] for name in ENGINE_TTFB_TIMINGS if name in timings), None)
+
+    def since_arrival(name: str) -> str:
+        return f"{(timings[name] - arrived_s) * 1000:.1f}" if name in timings else "-"
+
+    logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s "
+                "engine_sent_ms=%s replica_received_ms=%s replica_dispatched_ms=%s", request_id,
+                replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}",
+                since_arrival("engine_sent_at_s"), since_arrival("replica_received_at_s"),
+                since_arrival("replica_dispatched_at_s"))

@@ -1,0 +1,63 @@
+"""bench_serve's TTFB breakdown reads the lines the service writes: the Synthesizer's first-chunk
+line (with the clock readings of the chunk's way back from the engine process) and the
+ingress's request line, and splits the replica's leg around the engine's own TTFB."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from loadtest.bench_serve import REPLICA_LEG, ttfb_breakdown
+from serve_app.engines.base import AudioChunk
+from serve_app.gpu.engine_client import stamp_way_back
+from serve_app.gpu.synthesizer import _log_first_chunk
+
+
+def _first_chunk_line(caplog, request_id: str, engine_ttfb_s: float, sent_after_s: float,
+                      read_after_s: float) -> tuple[str, float]:
+    """The Synthesizer's log line for a first chunk stamped as the engine client stamps it, the
+    request having reached the replica ``0.1`` s ago; and the replica TTFB it logged."""
+    arrived_s = time.perf_counter() - 0.1
+    chunk = AudioChunk(request_id, np.zeros(480, np.float32), 24000,
+                       timings_s={"ttfb_s": engine_ttfb_s})
+    stamp_way_back(chunk, arrived_s + sent_after_s, arrived_s + read_after_s)
+    replica_ttfb_s = time.perf_counter() - arrived_s
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="serve_app.gpu.synthesizer"):
+        _log_first_chunk(request_id, arrived_s, replica_ttfb_s, chunk)
+    return caplog.text, replica_ttfb_s
+
+
+def test_the_replica_leg_is_split_at_each_clock_reading(caplog):
+    synthesizer_line, replica_ttfb_s = _first_chunk_line(
+        caplog, "req-1", engine_ttfb_s=0.040, sent_after_s=0.050, read_after_s=0.060)
+    ingress_line = "request id=req-1 method=POST status=200 outcome=ok ttfb_ms=110.0\n"
+    rows = [{"ok": True, "ttfb_s": 0.115, "request_id": "req-1"}]
+
+    result = ttfb_breakdown(synthesizer_line + ingress_line, rows)
+
+    assert result["requests"] == 1
+    assert result["engine_ms"]["p50"] == 40.0
+    assert result["hops_ms"]["p50"] == 75.0  # the client's 115 ms minus the engine's 40
+    leg = result["replica_leg"]
+    assert set(leg) == set(REPLICA_LEG)
+    assert leg["to_engine_ms"]["p50"] == 10.0  # sent at 50 ms, 40 ms after the submission
+    assert leg["engine_to_reader_ms"]["p50"] == 10.0
+    # dispatched "now": at least 100 ms after the arrival, so at least 40 ms after the read
+    assert leg["reader_to_loop_ms"]["p50"] >= 39.9
+    assert leg["loop_to_out_ms"]["p50"] >= 0.0
+    total = sum(part["p50"] for part in leg.values()) + result["engine_ms"]["p50"]
+    assert abs(total - replica_ttfb_s * 1000) <= 0.5  # the parts add up to the replica's TTFB
+
+
+def test_a_line_without_the_way_back_still_counts_and_has_no_leg():
+    line = "first audio of stream=req-2 replica_ttfb_ms=61.0 engine_ttfb_ms=58.0\n"
+    ingress_line = "request id=req-2 method=POST status=200 outcome=ok ttfb_ms=66.0\n"
+    result = ttfb_breakdown(line + ingress_line,
+                            [{"ok": True, "ttfb_s": 0.0705, "request_id": "req-2"}])
+
+    assert result["synthesizer_ms"]["p50"] == 61.0
+    assert result["hops_ms"]["p50"] == 12.5
+    assert "replica_leg" not in result
