@@ -86,18 +86,21 @@ class Inbox:
 
 # A stream's first chunk carries the engine's own TTFB under one of these names (MiniCPM-o, Piper).
 ENGINE_TTFB_TIMINGS = ("ttfb_s", "first_chunk_s")
+# The clock readings a first chunk collects on its way back, in order. Not seconds, so not named
+# ``*_s``: the front's stage histogram takes every ``*_s`` timing as a duration.
+WAY_BACK_CLOCKS = ("clock_engine_sent", "clock_replica_received", "clock_replica_dispatched")
 
 
 def is_first_chunk(chunk: AudioChunk) -> bool:
-    return any(name in chunk.timings_s for name in ENGINE_TTFB_TIMINGS)
+    timings = chunk.timings_s
+    return "ttfb_s" in timings or "first_chunk_s" in timings
 
 
 def stamp_way_back(chunk: AudioChunk, made_at_s: float, received_at_s: float) -> None:
     """Clock readings (``time.perf_counter``, one clock for every process of a host) of a first
-    chunk's way to the replica: the engine process's sink took it, the replica's reader thread
-    read it, the replica's event loop handed it to the stream's inbox."""
-    chunk.timings_s.update(engine_sent_at_s=made_at_s, replica_received_at_s=received_at_s,
-                           replica_dispatched_at_s=time.perf_counter())
+    chunk's way to the replica (:data:`WAY_BACK_CLOCKS`): the engine process's sink took it,
+    the replica's reader thread read it, the replica's event loop handed it to its inbox."""
+    chunk.timings_s.update(zip(WAY_BACK_CLOCKS, (made_at_s, received_at_s, time.perf_counter())))
 
 
 def join_chunks(chunks: list[AudioChunk]) -> AudioChunk:

@@ -34,7 +34,12 @@ from serve_app.engines.base import (
 )
 from serve_app.errors import ApiError
 from serve_app.gpu.admission import BatchedAdmission, refused
-from serve_app.gpu.engine_client import ENGINE_TTFB_TIMINGS, EngineClient, EngineDeadError
+from serve_app.gpu.engine_client import (
+    ENGINE_TTFB_TIMINGS,
+    WAY_BACK_CLOCKS,
+    EngineClient,
+    EngineDeadError,
+)
 from serve_app.gpu.engine_watch import EngineWatch, exit_soon, rss_bytes
 from serve_app.gpu.replica_voices import ReplicaVoices
 from serve_app.gpu.routing import ROUTER_PATH
@@ -231,11 +236,10 @@ def _log_first_chunk(request_id: str, arrived_s: float, replica_ttfb_s: float,
     timings = chunk.timings_s
     engine_s = next((timings[name] for name in ENGINE_TTFB_TIMINGS if name in timings), None)
 
-    def since_arrival(name: str) -> str:
-        return f"{(timings[name] - arrived_s) * 1000:.1f}" if name in timings else "-"
-
+    sent, received, dispatched = (
+        f"{(timings[name] - arrived_s) * 1000:.1f}" if name in timings else "-"
+        for name in WAY_BACK_CLOCKS)
     logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s "
                 "engine_sent_ms=%s replica_received_ms=%s replica_dispatched_ms=%s", request_id,
                 replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}",
-                since_arrival("engine_sent_at_s"), since_arrival("replica_received_at_s"),
-                since_arrival("replica_dispatched_at_s"))
+                sent, received, dispatched)

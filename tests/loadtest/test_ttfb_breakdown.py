@@ -61,3 +61,14 @@ def test_a_line_without_the_way_back_still_counts_and_has_no_leg():
     assert result["synthesizer_ms"]["p50"] == 61.0
     assert result["hops_ms"]["p50"] == 12.5
     assert "replica_leg" not in result
+
+
+def test_the_clock_readings_are_never_read_as_stage_durations():
+    """The front's stage histogram takes every ``*_s`` timing of a chunk as seconds spent; the
+    way-back readings are clock values, so none of them may look like one."""
+    chunk = AudioChunk("req-3", np.zeros(480, np.float32), 24000, timings_s={"ttfb_s": 0.04})
+    now = time.perf_counter()
+    stamp_way_back(chunk, now, now)
+
+    assert [name for name in chunk.timings_s if name.endswith("_s")] == ["ttfb_s"]
+    assert len(chunk.timings_s) == 4
