@@ -333,13 +333,13 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
     (:data:`REPLICA_LEG`). ``requests`` counts the matched requests, ``requests_ok`` the
     level's."""
     ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
-    synthesizer = {m[1]: (float(m[2]), _reading(m[3])) for m in SYNTHESIZER_LINE.finditer(log_text)}
     readings = {m[1]: {"replica": float(m[2]), "engine": _reading(m[3]), "sent": _reading(m[4]),
                        "received": _reading(m[5]), "dispatched": _reading(m[6])}
                 for m in SYNTHESIZER_LINE.finditer(log_text)}
     ok = [r for r in rows if r.get("ok") and r.get("ttfb_s") is not None]
-    joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]], *synthesizer[r["request_id"]])
-              for r in ok if r.get("request_id") in ingress and r.get("request_id") in synthesizer]
+    joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]],
+               readings[r["request_id"]]["replica"], readings[r["request_id"]]["engine"])
+              for r in ok if r.get("request_id") in ingress and r.get("request_id") in readings]
     if not joined:
         return None
     result: dict[str, Any] = {"requests": len(joined), "requests_ok": len(ok)}
