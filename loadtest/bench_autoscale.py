@@ -44,9 +44,9 @@ from loadtest.bench_serve import (
     parse_args as bench_serve_args,
     percentile,
 )
+from loadtest.cluster_demo import replica_states
 from loadtest.service import ROOT, start_service, stop_service
 
-APP = "tts"
 WINDOW_S = 5.0
 POLICY = "serve_app.gpu.autoscaling:EngineQueuePolicy"
 
@@ -176,14 +176,10 @@ class StatePoller:
         self._thread.join(10)
 
     def _run(self) -> None:
-        from ray import serve
-
         while not self._stop.is_set():
             sample: dict[str, Any] = {"t_s": round(time.time() - self.t0, 1)}
             try:
-                app = serve.status().applications.get(APP)
-                states = app.deployments["Synthesizer"].replica_states if app else {}
-                sample["states"] = {str(getattr(k, "value", k)): v for k, v in states.items() if v}
+                sample["states"] = replica_states()
             except Exception as exc:  # a slow controller must not end the record
                 sample["error"] = type(exc).__name__
             sample.update(self._gauges())
