@@ -263,12 +263,12 @@ async def store_call(function: Callable[..., Result], *args: Any) -> Result:
 
 
 async def resolve_voice(store: VoiceStore, owner: str, voice: str, aliases: list[str],
-                        engine: EngineInfo | None = None) -> str:
+                        engine: EngineInfo) -> str:
     """The engine voice a speech request asks for: an OpenAI alias is the engine's default
     voice; a stored voice must exist for ``owner`` (else a 404 ApiError, whether it never
     existed or belongs to another key); any other name must be one of ``engine``'s voices or
     ``default`` (else a 400 ApiError listing them and the aliases), so a bad voice never reaches
-    the GPU. Without ``engine`` such a name goes to the engine to judge."""
+    the GPU."""
     if voice in aliases:
         return DEFAULT_VOICE
     if voice.startswith(VOICE_ID_PREFIX):
@@ -277,8 +277,7 @@ async def resolve_voice(store: VoiceStore, owner: str, voice: str, aliases: list
         except VoiceNotFound:
             raise errors.voice_not_found(voice) from None
         return voice
-    if engine is not None:
-        names = list(dict.fromkeys([*engine.voices, DEFAULT_VOICE]))
-        if voice not in names:
-            raise errors.unknown_voice(voice, names, aliases, engine.clones_voices)
+    names = list(dict.fromkeys([*engine.voices, DEFAULT_VOICE]))
+    if voice not in names:
+        raise errors.unknown_voice(voice, names, aliases, engine.clones_voices)
     return voice
