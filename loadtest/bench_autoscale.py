@@ -25,7 +25,6 @@ import math
 import os
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,13 +35,13 @@ from typing import Any
 import httpx
 
 from loadtest.bench_serve import (
-    LOCUSTFILE,
     READ_TEXT,
     bench_config,
     git_commit,
     gpu_name,
     parse_args as bench_serve_args,
     percentile,
+    replay_schedule,
 )
 from loadtest.cluster_demo import replica_states
 from loadtest.service import ROOT, start_service, stop_service
@@ -223,21 +222,8 @@ def run_load(base_url: str, times: list[float], args: argparse.Namespace, work: 
     """Locust replays ``times``; returns its per-stream records and the load's start (epoch)."""
     t0 = time.time() + 5.0 + len(times) / 400
     body = {"text": READ_TEXT, "mode": "read", "format": "pcm", "sample_rate": 24000}
-    schedule = work / "autoscale.schedule.json"
-    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
-                                    "name": "/v1/speech/stream read", "format": "pcm",
-                                    "sample_rate": 24000, "arrivals_s": times, "voices": []}))
-    records = work / "autoscale.jsonl"
-    run_time_s = int(times[-1] + 3 * args.audio_seconds + 90)
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "ScheduledListener",
-               "--headless", "-u", str(len(times)), "-r", str(len(times)), "--host", base_url,
-               "--run-time", f"{run_time_s}s", "--stop-timeout", "60", "--only-summary",
-               "--loglevel", "WARNING"]
-    env = {**os.environ, "LOADTEST_SCHEDULE": str(schedule), "LOADTEST_RECORDS": str(records)}
-    subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                   timeout=run_time_s + 180)
-    rows = [json.loads(line) for line in records.read_text().splitlines()] \
-        if records.exists() else []
+    _, rows = replay_schedule(base_url, work, "autoscale", t0, body, "/v1/speech/stream read",
+                              times, args.audio_seconds, stop_timeout_s=60, timeout_margin_s=180)
     return rows, t0
 
 

@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 import yaml
 
+from loadtest.report import load_records
 from loadtest.service import ROOT, replicas, start_service, stop_service
 
 APP = "tts"
@@ -425,29 +426,14 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     # Numbered in run order, so a repeated level gets files of its own.
     run = len(list(work.glob("*.schedule.json")))
     name = f"{run:02d}-{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
-    schedule = work / f"{name}.schedule.json"
-    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
-                                    "name": f"/v1/speech/stream {mode}", "format": "pcm",
-                                    "sample_rate": 24000, "arrivals_s": times,
-                                    "voices": voices or []}))
-    records = work / f"{name}.jsonl"
-    run_time_s = int(times[-1] + 3 * args.audio_seconds + 90)
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "ScheduledListener",
-               "--headless", "-u", str(users), "-r", str(max(users, 1)), "--host", base_url,
-               "--run-time", f"{run_time_s}s", "--stop-timeout", "30", "--only-summary",
-               "--csv", str(work / name), "--loglevel", "WARNING"]
-    env = {**os.environ, "LOADTEST_SCHEDULE": str(schedule),
-           "LOADTEST_RECORDS": str(records)}
     meter = CpuMeter()
     log_offset = args.log.stat().st_size if args.log.exists() else 0
     started = time.monotonic()
-    locust = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=run_time_s + 120)
+    locust, rows = replay_schedule(base_url, work, name, t0, body, f"/v1/speech/stream {mode}",
+                                   times, args.audio_seconds, voices=voices, csv=True)
     wall = time.monotonic() - started
     cpu = meter.percent()
     level_log = _read_from(args.log, log_offset)
-    rows = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() \
-        else []
     ok = [r for r in rows if r["ok"]]
     ttfbs = [r["ttfb_s"] * 1000 for r in ok if r["ttfb_s"] is not None]
     gaps = [r["longest_gap_s"] * 1000 for r in ok if r.get("longest_gap_s")]
@@ -477,6 +463,32 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         result["locust_stderr"] = locust.stderr[-2000:]
     print(json.dumps({k: v for k, v in result.items() if k != "locust"}), flush=True)
     return result
+
+
+def replay_schedule(base_url: str, work: Path, name: str, t0: float, body: dict[str, Any],
+                    label: str, times: list[float], audio_seconds: float, *,
+                    voices: list[str] | None = None, stop_timeout_s: int = 30,
+                    timeout_margin_s: int = 120, csv: bool = False,
+                    ) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
+    """Locust's ``ScheduledListener`` starts one stream of ``body`` per arrival in ``times``
+    (seconds after the epoch ``t0``), its schedule and records in ``work`` as ``name``.*, and
+    Locust's stats CSVs there too with ``csv``; Locust's exit and the per-stream records."""
+    schedule = work / f"{name}.schedule.json"
+    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
+                                    "name": label, "format": "pcm", "sample_rate": 24000,
+                                    "arrivals_s": times, "voices": voices or []}))
+    records = work / f"{name}.jsonl"
+    users = len(times)
+    run_time_s = int(times[-1] + 3 * audio_seconds + 90)
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "ScheduledListener",
+               "--headless", "-u", str(users), "-r", str(max(users, 1)), "--host", base_url,
+               "--run-time", f"{run_time_s}s", "--stop-timeout", str(stop_timeout_s),
+               "--only-summary", *(["--csv", str(work / name)] if csv else []),
+               "--loglevel", "WARNING"]
+    env = {**os.environ, "LOADTEST_SCHEDULE": str(schedule), "LOADTEST_RECORDS": str(records)}
+    locust = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=run_time_s + timeout_margin_s)
+    return locust, load_records(records)
 
 
 def refinement(sweep: list[dict[str, Any]], mode: str, step: int) -> list[int]:
