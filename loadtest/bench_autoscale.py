@@ -194,15 +194,20 @@ class StatePoller:
             return {}
         from prometheus_client.parser import text_string_to_metric_families
 
-        sums = {"queued": 0.0, "active_streams": 0.0, "slots": 0.0}
+        from serve_app.observability.metrics import (
+            ENGINE_ACTIVE_STREAMS,
+            ENGINE_SLOTS,
+            QUEUED_REQUESTS,
+        )
+
+        # Ray exports the app's metrics with its "ray_" prefix.
+        summed = {f"ray_{QUEUED_REQUESTS}": "queued",
+                  f"ray_{ENGINE_ACTIVE_STREAMS}": "active_streams", f"ray_{ENGINE_SLOTS}": "slots"}
+        sums = dict.fromkeys(summed.values(), 0.0)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "ray_tts_queued_requests":
-                    sums["queued"] += sample.value
-                elif sample.name == "ray_tts_engine_active_streams":
-                    sums["active_streams"] += sample.value
-                elif sample.name == "ray_tts_engine_slots":
-                    sums["slots"] += sample.value
+                if sample.name in summed:
+                    sums[summed[sample.name]] += sample.value
         sums["slot_occupancy"] = round(sums["active_streams"] / sums["slots"], 3) \
             if sums["slots"] else 0.0
         return sums
