@@ -257,6 +257,13 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
     cut = [r for r in rows if r.get("ok") and r.get("audio_s", 0) < 0.95 * args.audio_seconds]
     failed = [r for r in rows if not r.get("ok")]
     end = max([s["t_s"] for s in samples] + [0.0])
+    # (start on the load's clock, TTFB ms) of every stream that had one
+    ttfb_ms = [(r["start"] - load_t0_s, r["ttfb_s"] * 1000) for r in rows
+               if r.get("ok") and r.get("ttfb_s")]
+
+    def ttfbs_between(start: float, stop: float) -> list[float]:
+        return [ms for at, ms in ttfb_ms if start <= at < stop]
+
     timeline = []
     for index in range(int(math.ceil(end / WINDOW_S)) + 1):
         low, high = index * WINDOW_S, (index + 1) * WINDOW_S
@@ -265,7 +272,7 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
             continue
         states: dict[str, int] = window[-1].get("states", {})
         starts = [r for r in rows if low <= r["start"] - load_t0_s < high]
-        ttfbs = [r["ttfb_s"] * 1000 for r in starts if r.get("ok") and r.get("ttfb_s")]
+        ttfbs = ttfbs_between(low, high)
         timeline.append({
             "t_s": low, "replicas": states.get("RUNNING", 0),
             "starting": states.get("STARTING", 0) + states.get("UPDATING", 0),
@@ -285,9 +292,7 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
     def p99_between(start: float | None, stop: float | None) -> float | None:
         if start is None:
             return None
-        values = [r["ttfb_s"] * 1000 for r in rows if r.get("ok") and r.get("ttfb_s")
-                  and start <= r["start"] - load_t0_s < (stop if stop is not None else 1e9)]
-        return percentile(values, 99)
+        return percentile(ttfbs_between(start, stop if stop is not None else 1e9), 99)
 
     hold_end = args.ramp_up_s + args.hold_s
     peak = max((row["replicas"] for row in timeline), default=0)
