@@ -215,6 +215,16 @@ async def profile_kernels(engine: MiniCPMOEngine, delay_s: float, seconds: float
                             for e in kernels[:25]]}
 
 
+def single_stream(engine: MiniCPMOEngine, mode: str, args) -> tuple[dict, list[dict]]:
+    """One stream at a time: TTFB p50 and RTF, the medians of :data:`SINGLE_STREAM_RUNS` runs
+    after a warm-up; and those runs."""
+    asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
+    runs = [asyncio.run(run_level(engine, mode, 1, "burst", args))
+            for _ in range(SINGLE_STREAM_RUNS)]
+    return ({"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
+             "rtf": statistics.median(r["rtf_p50"] for r in runs)}, runs)
+
+
 async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival: str,
                     args: argparse.Namespace) -> dict:
     rng = random.Random(concurrency)
@@ -415,11 +425,7 @@ def measure_variant(model, args, label: str) -> dict:
     engine = build_engine(model, args, max(max(levels[m]) for m in args.modes))
     single, sweep, best, by_arrival = {}, [], {}, {}
     for mode in args.modes:
-        asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
-        runs = [asyncio.run(run_level(engine, mode, 1, "burst", args))
-                for _ in range(SINGLE_STREAM_RUNS)]
-        single[mode] = {"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
-                        "rtf": statistics.median(r["rtf_p50"] for r in runs)}
+        single[mode], runs = single_stream(engine, mode, args)
         for concurrency in [c for c in levels[mode] if c > 1]:
             for arrival in args.arrivals:
                 sweep.append(asyncio.run(run_level(engine, mode, concurrency, arrival, args)))
@@ -612,11 +618,7 @@ def main() -> None:
         engine = build_engine(model, argparse.Namespace(**{**vars(args), **upstream_way}), 1)
         base = {}
         for mode in args.modes:
-            asyncio.run(run_level(engine, mode, 1, "burst", args))  # warm-up
-            runs = [asyncio.run(run_level(engine, mode, 1, "burst", args))
-                    for _ in range(SINGLE_STREAM_RUNS)]
-            single = {"ttfb_ms_p50": statistics.median(r["ttfb_ms_p50"] for r in runs),
-                      "rtf": statistics.median(r["rtf_p50"] for r in runs)}
+            single, runs = single_stream(engine, mode, args)
             single["max_realtime_streams"] = 1 if all(r["ok"] for r in runs) else 0
             base[mode] = single
         engine.close()
