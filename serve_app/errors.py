@@ -72,16 +72,14 @@ def _rebuild(status_code: int, message: str, param: str | None, code: str | None
                     headers=headers)
 
 
-def refused(exc: InvalidRequestError, param_names: Mapping[str, str] | None = None) -> ApiError:
+def refused(exc: InvalidRequestError) -> ApiError:
     """The caller asked for something that cannot be served: the one place an
     :class:`InvalidRequestError` (the text rule's, a voice clip's or name's, an engine's
-    ``validate``) becomes the :class:`ApiError` answered with.
-
-    ``param_names`` maps the engines' names of request fields to the route's own (the OpenAI
-    route's ``input`` is the engines' ``text``): see :func:`renamed`.
+    ``validate``) becomes the :class:`ApiError` answered with. A route that names a field
+    otherwise (the OpenAI route's ``input`` is the engines' ``text``) renames it:
+    :func:`renamed`.
     """
-    error = ApiError(exc.status_code, exc.message, param=exc.param, code=exc.code)
-    return renamed(error, param_names) if param_names else error
+    return ApiError(exc.status_code, exc.message, param=exc.param, code=exc.code)
 
 
 def renamed(error: ApiError, param_names: Mapping[str, str]) -> ApiError:

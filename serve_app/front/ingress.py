@@ -207,18 +207,19 @@ class Ingress:
         if body.model not in (info.model_id, *self._api.model_aliases):
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
-        text = self._checked_text(body.input, OPENAI_PARAM_NAMES)
-        self._check_instructions(body.instructions)
-        voice = await self._voice(body.voice, http)
-        request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
-                                speed=body.speed, seed=body.seed,
-                                max_audio_s=self._api.max_audio_s,
-                                system_prompt=body.instructions or None)
-        _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
+        # The text rule's and the engine's refusals name the engines' fields ("text").
         try:
+            text = self._checked_text(body.input)
+            self._check_instructions(body.instructions)
+            voice = await self._voice(body.voice, http)
+            request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
+                                    speed=body.speed, seed=body.seed,
+                                    max_audio_s=self._api.max_audio_s,
+                                    system_prompt=body.instructions or None)
+            _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
             return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ,
                                       received_s, events=body.stream_format == "sse")
-        except ApiError as error:  # the engine's refusal names its own fields ("text")
+        except ApiError as error:
             raise errors.renamed(error, OPENAI_PARAM_NAMES) from None
 
     @api_app.post("/v1/speech/stream", summary="Native streaming speech",
@@ -245,13 +246,12 @@ class Ingress:
         return await resolve_voice(self._voices, owner_of(http), voice,
                                    self._api.voice_aliases, await self._engine_info())
 
-    def _checked_text(self, text: str, param_names: dict[str, str] | None = None) -> str:
-        """The text under the shared rule (serve_app.engines.text_rule), or a 400 naming the route's
-        field."""
+    def _checked_text(self, text: str) -> str:
+        """The text under the shared rule (serve_app.engines.text_rule), or a 400."""
         try:
             return check_text(text, self._api.max_input_chars)
         except InvalidRequestError as exc:
-            raise errors.refused(exc, param_names) from None
+            raise errors.refused(exc) from None
 
     def _check_instructions(self, instructions: str | None) -> None:
         limit = self._api.max_instructions_chars
