@@ -212,11 +212,10 @@ class EngineServer:
             logger.exception("could not pickle a step's output; sending it item by item")
             for request_id, item in out:
                 try:
-                    encoded = engine_wire.encode(Outputs([(request_id, item)]))
+                    self._put(Outputs([(request_id, item)]))
                 except Exception as exc:
-                    encoded = engine_wire.encode(Outputs([(request_id, EngineError(
+                    self._put(Outputs([(request_id, EngineError(
                         f"the engine's output could not be sent: {type(exc).__name__}"))]))
-                self._sends.put(encoded)
 
     def _answer(self, call_id: int, method: Callable[..., Any], args: tuple) -> None:
         try:
