@@ -84,16 +84,16 @@ class RequestPlanner:
 
     def plan(self, request: SpeechRequest) -> StreamPlan:
         prompt = prompt_text(request)
-        tok = self._tok
+        decode = self._tok.decode
         prompt_ids = self.ids(prompt)
         instructions = self.count_tokens(request.system_prompt or "")  # usage's input tokens
         if request.text_input == "streamed":
-            feed = TextFeed(lambda text: tok(text, add_special_tokens=False)["input_ids"], tok.decode)
+            feed = TextFeed(self.ids, decode)
             return StreamPlan(request, prompt, feed.push(request.text), text_feed=feed,
                               prompt_ids=prompt_ids, input_tokens=instructions)
         if request.mode == "read":
             ids = self.ids(request.text)
-            return StreamPlan(request, prompt, cut_into_pieces(ids, tok.decode),
+            return StreamPlan(request, prompt, cut_into_pieces(ids, decode),
                               prompt_ids=prompt_ids, input_tokens=instructions + len(ids))
         return StreamPlan(request, prompt, None, prompt_ids=prompt_ids,
                           input_tokens=instructions + self.count_tokens(request.text))
