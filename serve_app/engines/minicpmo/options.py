@@ -18,7 +18,7 @@ from .model.names import (
     DEFAULT_MODEL_ID,
     MODEL_DTYPE_NAMES,
     ONE_QUERY_KERNELS,
-    QUANTIZATION_MODES,
+    check_quantization,
 )
 
 Positive = Annotated[int, Field(ge=1)]
@@ -91,9 +91,7 @@ class EngineOptions:
     benchmark: dict | None = None  # benchmarks only: random weights, fixed lengths (benchmark_mode.py)
 
     def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, "
-                             f"got {self.quantization!r}")
+        check_quantization(self.quantization)
         if self.one_query_attention not in ONE_QUERY_KERNELS:
             raise ValueError(f"one_query_attention must be one of {ONE_QUERY_KERNELS}")
         if self.decode_dtype not in DECODE_DTYPE_NAMES:

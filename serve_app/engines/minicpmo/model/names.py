@@ -13,3 +13,10 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "int4-tinygemm")
 DECODE_DTYPE_NAMES = ("float32", "bfloat16")
 # weights and activations of the LLM and the TTS; "auto": bfloat16 on CUDA, else float32
 MODEL_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+
+
+def check_quantization(mode: str) -> str:
+    """``mode`` if it is one of :data:`QUANTIZATION_MODES`, else :class:`ValueError`."""
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
+    return mode

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .names import QUANTIZATION_MODES
+from .names import QUANTIZATION_MODES, check_quantization  # noqa: F401 (modes: bench_engine)
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +90,10 @@ def _load_same_chip_configs(linear_class) -> None:
                 logger.info("GemLite: %s kernel configurations for the %s", same_chip, gpu)
 
 
-def check_mode(mode: str) -> str:
-    if mode not in QUANTIZATION_MODES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {mode!r}")
-    return mode
-
-
 def effective_mode(mode: str, device: torch.device) -> str:
     """What ``mode`` becomes on ``device``: int4 runs dequantized where it has no kernel
     (``int4`` has one on CUDA and CPU, ``int4-tinygemm`` on CUDA only)."""
-    check_mode(mode)
+    check_quantization(mode)
     kind = torch.device(device).type
     if mode == "int4" and kind not in ("cuda", "cpu") or mode == "int4-tinygemm" and kind != "cuda":
         return "none"
@@ -351,7 +345,7 @@ def quantize_linears(module: nn.Module, mode: str) -> int:
     nothing and needs no torchao. tinygemm's weights are quantized from bf16 (its activation
     dtype).
     """
-    check_mode(mode)
+    check_quantization(mode)
     if mode == "int4":
         raise ValueError("int4 quantizes whole decoder layers: use quantize_decoder_layer")
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
