@@ -35,7 +35,8 @@ from .options import EngineOptions, clones_voices
 from .planning import RequestPlanner
 from .scheduler import Scheduler, Stream, StreamPlan
 from .speech_schedule import SpeechSchedule
-from .step_loop import StepLoop, StepRecord
+from .step.record import StepRecord
+from .step_loop import StepLoop
 from .text import GENERATION_PROMPT
 from .voices import DEFAULT_VOICE, VoiceTable, VoiceTurn
 
@@ -97,7 +98,6 @@ class MiniCPMOEngine(SubmitsIterators):
 
     sample_rate_hz = SAMPLE_RATE_HZ
     modes = ("read", "chat")
-    samples_per_audio_token = SAMPLES_PER_CODE_FRAME  # one audio code frame per output token
     follows_instructions = True  # they become the system prompt, shaping the speaker embedding
 
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
