@@ -47,15 +47,10 @@ from .step.admission import Admission
 from .step.chat_text import ChatTextSteps, LaunchedText, waiting_for_text
 from .step.endings import StreamEndings
 from .step.faults import inject_faults
-from .step.gc_clock import GarbageCollectionClock
 from .step.phases import PhaseClock
-from .step.record import STEP_LOG_LENGTH, StepRecord, StepRecorder
+from .step.record import StepRecord, StepRecorder
 from .step.text_intake import TextIntake
 from .voices import VoiceTable
-
-# StepRecord and GarbageCollectionClock are read from here (engine, tests) as they were before
-# they moved to .step
-__all__ = ["STEP_LOG_LENGTH", "GarbageCollectionClock", "StepLoop", "StepRecord"]
 
 logger = logging.getLogger(__name__)
 

@@ -92,7 +92,7 @@ def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
 def test_garbage_collection_clock_counts_collections_until_closed() -> None:
     import gc
 
-    from serve_app.engines.minicpmo.step_loop import GarbageCollectionClock
+    from serve_app.engines.minicpmo.step.gc_clock import GarbageCollectionClock
 
     clock = GarbageCollectionClock()
     gc.collect()
