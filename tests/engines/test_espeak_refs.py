@@ -37,7 +37,7 @@ def _kept_bytes(call, times: int) -> int:
 
 def test_phonemizing_many_texts_keeps_no_memory(engine: PiperEngine) -> None:
     # Unfixed, 2,000 calls on this text keep about 1.3 MB (160 bytes per clause).
-    assert _kept_bytes(lambda: engine._phonemize(TEXT), 2000) < 20_000
+    assert _kept_bytes(lambda: engine._phonemizer.phonemize(TEXT), 2000) < 20_000
 
 
 def test_clause_tuples_hold_only_their_lists_reference(engine: PiperEngine) -> None:

@@ -116,7 +116,7 @@ def test_first_piece_is_held_short_for_a_fast_first_chunk() -> None:
     engine = PiperEngine.from_options(first_piece_phonemes=40)
     text = ("This opening sentence, which is long on purpose, keeps going for quite a while "
             "before it ends.")
-    pieces = engine._phonemize(text)
+    pieces = engine._phonemizer.phonemize(text)
     engine.close()
     assert len(pieces) >= 2
     # BOS/EOS and the pads between phonemes roughly double the id count.

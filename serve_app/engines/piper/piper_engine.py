@@ -63,19 +63,10 @@ from serve_app.engines.piper.espeak_refs import release_leaked_clause_refs
 from serve_app.engines.piper.options import PiperOptions
 from serve_app.engines.piper.piper_step import StepResult, run_step
 from serve_app.engines.piper.piper_stream import PiperStream, next_chunk
-from serve_app.engines.piper.piper_text import (
-    MAX_SPEED,
-    MIN_SPEED,
-    VOICE_NAME,
-    Phonemizer,
-    check_request,
-    scales_for,
-)
+from serve_app.engines.piper.piper_text import VOICE_NAME, Phonemizer, check_request, scales_for
 from serve_app.engines.piper.piper_voice import load_voice, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 from serve_app.engines.text_rule import MAX_TEXT_CHARS
-
-__all__ = ["MAX_SPEED", "MIN_SPEED", "MODEL_ID", "VOICE_NAME", "PiperEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +98,6 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._noise_w_scale = self._config.noise_w_scale if noise_w_scale is None else noise_w_scale
         # Phonemizing (espeak-ng, one lock for validate and the step thread) and its cache.
         self._phonemizer = Phonemizer(voice, max_sentence_phonemes, first_piece_phonemes)
-        self._phonemize = self._phonemizer.phonemize  # text -> phoneme-id pieces, unlocked
         # Streams held beyond the batch's rows; more than this is refused (bounded memory).
         self._max_queued_streams = max_queued_streams
         self._faults = FaultInjection.from_options(fault_injection)
