@@ -62,8 +62,10 @@ def next_chunk(stream: PiperStream, result: np.ndarray | None, step_s: float,
     if not stream.started:
         stream.started = True
         timings["first_chunk_s"] = time.perf_counter() - stream.submitted_at_s
-    chars = stream.fed.text.chars if stream.fed is not None else len(stream.request.text)
-    usage = (usage_in_characters(chars, stream.request.system_prompt, stream.samples_emitted,
-                                 sample_rate_hz) if final else None)
+    usage = None
+    if final:
+        chars = stream.fed.text.chars if stream.fed is not None else len(stream.request.text)
+        usage = usage_in_characters(chars, stream.request.system_prompt, stream.samples_emitted,
+                                    sample_rate_hz)
     return AudioChunk(request_id=request_id, samples=samples, sample_rate_hz=sample_rate_hz,
                       final=final, timings_s=timings, usage=usage)
