@@ -92,8 +92,7 @@ WAY_BACK_CLOCKS = ("clock_engine_sent", "clock_replica_received", "clock_replica
 
 
 def is_first_chunk(chunk: AudioChunk) -> bool:
-    timings = chunk.timings_s
-    return "ttfb_s" in timings or "first_chunk_s" in timings
+    return not chunk.timings_s.keys().isdisjoint(ENGINE_TTFB_TIMINGS)
 
 
 def stamp_way_back(chunk: AudioChunk, made_at_s: float, received_at_s: float) -> None:

@@ -212,10 +212,11 @@ class EngineServer:
             logger.exception("could not pickle a step's output; sending it item by item")
             for request_id, item in out:
                 try:
-                    self._put(Outputs([(request_id, item)]))
+                    self._put(Outputs([(request_id, item)], made_at_s))
                 except Exception as exc:
                     self._put(Outputs([(request_id, EngineError(
-                        f"the engine's output could not be sent: {type(exc).__name__}"))]))
+                        f"the engine's output could not be sent: {type(exc).__name__}"))],
+                        made_at_s))
 
     def _answer(self, call_id: int, method: Callable[..., Any], args: tuple) -> None:
         try:
