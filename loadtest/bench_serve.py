@@ -305,23 +305,26 @@ REPLICA_LEG = {
 
 
 BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)"
+                       r"(?:.*? cpu_ms_per_step=([\d.]+))?"
                        r"(?:.*? llm_steps=(\d+))?(?:.*? device_memory_peak_gb=([\d.]+))?")
 
 
 def engine_busy(log_text: str) -> dict[str, Any] | None:
     """The served engine's steps and its time per step (inside steps, idle left out) over the
     level, from the synthesizer's busy-period log lines: bench_engine.py's
-    ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here."""
-    periods = [(int(m[1]), float(m[2]), int(m[3] or 0), float(m[4] or 0))
-               for m in BUSY_LINE.finditer(log_text)]
+    ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here, and
+    its step thread's CPU time per step (``step_cpu_ms_per_step``)."""
+    periods = [(int(m[1]), float(m[2]), float(m[3] or 0) * int(m[1]), int(m[4] or 0),
+                float(m[5] or 0)) for m in BUSY_LINE.finditer(log_text)]
     steps = sum(p[0] for p in periods)
     if not steps:
         return None
     busy_s = sum(p[1] for p in periods)
     return {"steps": steps, "busy_s": round(busy_s, 3),
             "busy_ms_per_step": round(busy_s * 1000 / steps, 3),
-            "llm_steps_per_step": round(sum(p[2] for p in periods) / steps, 3),
-            "device_memory_peak_gb": max(p[3] for p in periods)}
+            "step_cpu_ms_per_step": round(sum(p[2] for p in periods) / steps, 3),
+            "llm_steps_per_step": round(sum(p[3] for p in periods) / steps, 3),
+            "device_memory_peak_gb": max(p[4] for p in periods)}
 
 
 def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -242,6 +242,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     steps_before = engine.stats().steps
     busy_before_s = engine.stats().step_seconds
+    cpu_before_s = engine.stats().step_cpu_seconds
     llm_steps_before = engine.stats().llm_steps
     work_before = engine.device_work()
     phases_before = engine.phase_seconds()
@@ -255,6 +256,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     wall = time.perf_counter() - started
     steps = engine.stats().steps - steps_before
     busy_s = engine.stats().step_seconds - busy_before_s
+    cpu_s = engine.stats().step_cpu_seconds - cpu_before_s
     llm_steps = engine.stats().llm_steps - llm_steps_before
     work = {key: value - work_before.get(key, 0) for key, value in engine.device_work().items()}
     phases = {k: round((v - phases_before.get(k, 0.0)) * 1000 / max(engine.stats().steps - steps_before, 1), 3)
@@ -294,6 +296,8 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         # Time inside steps only (idle waits between arrivals left out): the figure
         # scripts/bench_serve reads from the served engine, to compare the two.
         "busy_ms_per_step": round(busy_s * 1000 / max(steps, 1), 3),
+        # the step thread's CPU time per step: the host work inside busy_ms_per_step
+        "step_cpu_ms_per_step": round(cpu_s * 1000 / max(steps, 1), 3),
         # Chat: batched LLM decode steps per engine step (each reads all LLM weights once).
         "llm_steps_per_step": round(llm_steps / max(steps, 1), 3),
         "gpu_memory_gb": (torch.cuda.max_memory_allocated() / 1e9) if torch.cuda.is_available() else None,
@@ -328,6 +332,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             one_query_attention=args.one_query_attention,
                             decode_dtype=getattr(args, "decode_dtype", EngineOptions.decode_dtype),
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
+                            first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
                             prefill_prompts=getattr(args, "prefill_prompts",
@@ -545,6 +550,9 @@ def main() -> None:
                         help="padded prompt tokens admitted and prefilled per step (EngineOptions)")
     parser.add_argument("--prefill-prompts", type=int, default=EngineOptions.prefill_prompts,
                         help="prompts admitted and prefilled per step, at most (EngineOptions)")
+    parser.add_argument("--first-chunk-frames", type=int, default=None,
+                        help="code frames in a stream's first audio chunk (EngineOptions; "
+                             "default: a whole call, chunk_frames)")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--gil-switch-intervals-ms", type=float, nargs="+", default=None,

@@ -144,6 +144,7 @@ class EngineStats:
     last_batch_size: int = 0
     max_batch_size_seen: int = 0
     step_seconds: float = 0.0  # wall time spent running steps: the engine's busy time
+    step_cpu_seconds: float = 0.0  # CPU time the step thread spent in them: its host work
     llm_steps: int = 0  # batched LLM decode steps (chat text) run inside engine steps
     device_memory_peak_bytes: int = 0  # most GPU memory the engine's allocator has held (0: CPU)
     # The audio each generating stream gets from one step: a step that takes longer falls behind

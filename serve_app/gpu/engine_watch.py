@@ -51,9 +51,11 @@ class EngineWatch:
         steps = after.steps - before.steps
         if steps > 0:
             busy_s = after.step_seconds - before.step_seconds
+            cpu_s = after.step_cpu_seconds - before.step_cpu_seconds
             logger.info("engine busy period: steps=%d busy_s=%.3f ms_per_step=%.2f "
-                        "streams_ended=%d llm_steps=%d device_memory_peak_gb=%.2f", steps,
-                        busy_s, busy_s * 1000 / steps,
+                        "cpu_ms_per_step=%.2f streams_ended=%d llm_steps=%d "
+                        "device_memory_peak_gb=%.2f", steps, busy_s, busy_s * 1000 / steps,
+                        cpu_s * 1000 / steps,
                         (after.completed + after.aborted + after.failed)
                         - (before.completed + before.aborted + before.failed),
                         after.llm_steps - before.llm_steps, after.device_memory_peak_bytes / 1e9)

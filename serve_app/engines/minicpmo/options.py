@@ -43,6 +43,13 @@ class EngineOptions:
     tts_max_positions: Positive = 1536
     llm_max_positions: Positive = 2048
     chunk_frames: Positive = 25
+    # code frames in a stream's first audio chunk: its first generate call is also decoded and
+    # sent at this many frames, so the first audio waits for fewer engine steps (at 640 read
+    # streams on an H100 a step takes ~55 ms; 15 frames are 3 steps where 25 are 5). The codes
+    # are upstream's either way; only the first call's audio is cut in two and crossfaded at
+    # the cut as at every other piece boundary (docs/minicpmo.md, "A smaller first chunk").
+    # None: chunk_frames, upstream's pieces to 1e-6
+    first_chunk_frames: Positive | None = None
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: Positive = 2048
     voices: StrictBool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one
@@ -100,8 +107,16 @@ class EngineOptions:
             raise ValueError(f"dtype must be one of {MODEL_DTYPE_NAMES}")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
             raise ValueError("gpu_memory_gb must be a positive number of gigabytes")
+        if self.first_chunk_frames is not None and self.first_chunk_frames > self.chunk_frames:
+            raise ValueError(f"first_chunk_frames ({self.first_chunk_frames}) must be at most "
+                             f"chunk_frames ({self.chunk_frames})")
         if not self.text_break_wait_s >= 0:
             raise ValueError("text_break_wait_s must be 0 or more seconds")
+
+    @property
+    def first_piece_frames(self) -> int:
+        """Code frames of a stream's first audio piece (``first_chunk_frames`` or a whole call)."""
+        return self.first_chunk_frames or self.chunk_frames
 
     @classmethod
     def from_raw(cls, raw: dict[str, object]) -> "EngineOptions":

@@ -237,9 +237,10 @@ class Scheduler:
             self._stats.failed += failed
             self._stats.llm_steps += llm_steps
 
-    def count_step_time(self, seconds: float) -> None:
+    def count_step_time(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         with self.lock:
             self._stats.step_seconds += seconds
+            self._stats.step_cpu_seconds += cpu_seconds
 
     def count_step(self, batch_size: int) -> None:
         with self.lock:

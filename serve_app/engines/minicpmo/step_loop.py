@@ -122,6 +122,7 @@ class StepLoop:
                 self._wake.clear()
                 continue
             started_s = self.record.start()
+            cpu_started_s = time.thread_time()
             try:
                 with torch.inference_mode():
                     self._step()
@@ -136,7 +137,8 @@ class StepLoop:
             # caller may hold a step's last chunk a moment before the step is logged
             self.record.finish(self.phases.take_step())
             self.endings.outbox.deliver()
-            self.scheduler.count_step_time(time.perf_counter() - started_s)
+            self.scheduler.count_step_time(time.perf_counter() - started_s,
+                                           time.thread_time() - cpu_started_s)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""

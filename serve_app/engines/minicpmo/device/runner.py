@@ -313,8 +313,12 @@ class GraphModelRunner(ModelRunner):
             graphs.capture_all()
         self.llm_graphs.capture_all()
         longest_piece = options.chunk_frames + CONTEXT_FRAMES
+        common = {options.chunk_frames, longest_piece}
+        first = options.first_piece_frames
+        if first < options.chunk_frames:  # every first call is cut in two: its pieces' lengths
+            common |= {first, options.chunk_frames - first + min(first, CONTEXT_FRAMES)}
         decode_graphs = MultiLengthDecodeGraphs(
-            model.decoder, (options.chunk_frames, longest_piece), longest_piece,
+            model.decoder, sorted(common), longest_piece,
             min(options.max_slots, 64))
         try:
             decode_graphs.capture_all()
