@@ -144,8 +144,13 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         env_vars.update(dict(pair.split("=", 1) for pair in args.env))
     levels = levels_by_mode(args)
-    size_for_streams(config, max((level for mode in args.modes for level in levels.get(mode, [])),
-                                 default=1), args.cpus)
+    top = max((level for mode in args.modes for level in levels.get(mode, [])), default=1)
+    slots = options.get("max_slots", 0)
+    if slots and slots < top:  # bench_engine.py builds its engine with the top level's slots
+        print(f"warning: engine max_slots {slots} < the top level {top}: above it streams "
+              "queue for a slot; --engine-option max_slots=N measures the engine bench_engine.py "
+              "builds", file=sys.stderr, flush=True)
+    size_for_streams(config, top, args.cpus)
     overrides = _options(args.deployment_option)
     for deployment in app.get("deployments", []):
         if deployment["name"] == "Synthesizer":
