@@ -43,13 +43,17 @@ class EngineOptions:
     tts_max_positions: Positive = 1536
     llm_max_positions: Positive = 2048
     chunk_frames: Positive = 25
-    # code frames in a stream's first audio chunk: its first generate call is also decoded and
-    # sent at this many frames, so the first audio waits for fewer engine steps (at 640 read
-    # streams on an H100 a step takes ~55 ms; 15 frames are 3 steps where 25 are 5). The codes
-    # are upstream's either way; only the first call's audio is cut in two and crossfaded at
-    # the cut as at every other piece boundary (docs/minicpmo.md, "A smaller first chunk").
+    # the shortest first audio chunk, in code frames: a stream's first generate call is also
+    # decoded and sent at this many frames (or the next window's end), so the first audio
+    # waits for fewer engine steps (10 frames are 2 steps where 25 are 5). The codes are
+    # upstream's either way; only the first call's audio is cut in two and crossfaded at the
+    # cut as at every other piece boundary (docs/minicpmo.md, "A smaller first chunk").
     # None: chunk_frames, upstream's pieces to 1e-6
     first_chunk_frames: Positive | None = None
+    # the first chunk is only as short as keeps the listener's buffer from running dry if steps
+    # take this many times the engine's recent step time (step/first_chunk.py): a loaded engine
+    # sends longer first chunks. 0: always first_chunk_frames (tests)
+    first_chunk_safety: Annotated[float, Field(ge=0)] = 1.5
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: Positive = 2048
     voices: StrictBool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one

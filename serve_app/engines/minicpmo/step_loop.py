@@ -137,8 +137,9 @@ class StepLoop:
             # caller may hold a step's last chunk a moment before the step is logged
             self.record.finish(self.phases.take_step())
             self.endings.outbox.deliver()
-            self.scheduler.count_step_time(time.perf_counter() - started_s,
-                                           time.thread_time() - cpu_started_s)
+            step_s = time.perf_counter() - started_s
+            self.scheduler.count_step_time(step_s, time.thread_time() - cpu_started_s)
+            self.admission.first_chunk.observe(step_s)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""

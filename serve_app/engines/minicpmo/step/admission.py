@@ -19,6 +19,7 @@ from ..scheduler import Stream
 from ..speech_schedule import SpeechSchedule
 from ..voices import prefix_length
 from .chat_text import ChatTextSteps
+from .first_chunk import FirstChunkPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Admission:
         self._spk_id = spk_id
         self._gen_prompt_ids = gen_prompt_ids
         self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
+        self.first_chunk = FirstChunkPlanner(options)  # the step loop tells it each step's time
 
     def prompt_ids(self, stream: Stream) -> list[int]:
         """The LLM prompt a stream prefills (tokenized when it was submitted; a stream in a
@@ -91,7 +93,7 @@ class Admission:
             tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
             decode_tokens=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
             chunk_frames=self.options.chunk_frames,
-            first_chunk_frames=self.options.first_piece_frames,
+            first_chunk_frames=self.first_chunk.frames(),
             max_segment_frames=self.options.max_segment_frames,
             max_positions=self.options.tts_max_positions,
             ignore_eos=lengths.ignore_eos or lengths.audio_frames is not None,
