@@ -296,7 +296,8 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         # Time inside steps only (idle waits between arrivals left out): the figure
         # scripts/bench_serve reads from the served engine, to compare the two.
         "busy_ms_per_step": round(busy_s * 1000 / max(steps, 1), 3),
-        # the step thread's CPU time per step: the host work inside busy_ms_per_step
+        # the step thread's CPU time per step; CUDA's default sync spin-waits, so time waiting
+        # on the GPU counts too: an upper bound on the host work inside busy_ms_per_step
         "step_cpu_ms_per_step": round(cpu_s * 1000 / max(steps, 1), 3),
         # Chat: batched LLM decode steps per engine step (each reads all LLM weights once).
         "llm_steps_per_step": round(llm_steps / max(steps, 1), 3),

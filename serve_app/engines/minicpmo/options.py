@@ -44,16 +44,16 @@ class EngineOptions:
     llm_max_positions: Positive = 2048
     chunk_frames: Positive = 25
     # the shortest first audio chunk, in code frames: a stream's first generate call is also
-    # decoded and sent at this many frames (or the next window's end), so the first audio
-    # waits for fewer engine steps (10 frames are 2 steps where 25 are 5). The codes are
-    # upstream's either way; only the first call's audio is cut in two and crossfaded at the
-    # cut as at every other piece boundary (docs/minicpmo.md, "A smaller first chunk").
-    # None: chunk_frames, upstream's pieces to 1e-6
-    first_chunk_frames: Positive | None = None
-    # the first chunk is only as short as keeps the listener's buffer from running dry if steps
-    # take this many times the engine's recent step time (step/first_chunk.py): a loaded engine
-    # sends longer first chunks. 0: always first_chunk_frames (tests)
-    first_chunk_safety: Annotated[float, Field(ge=0)] = 1.5
+    # decoded and sent at this many frames, so the first audio waits for fewer engine steps
+    # (10 frames are 2 steps where 25 are 5); while its buffer is thin, its audio is also cut at
+    # the end of later steps (step/first_chunk.py). The codes are upstream's either way; only
+    # the audio is cut, and crossfaded at each cut as at every piece boundary (docs/minicpmo.md,
+    # "A smaller first chunk"). None: chunk_frames, upstream's pieces to 1e-6
+    first_chunk_frames: Annotated[int, Field(ge=5)] | None = None
+    # plan each stream's first chunk and the cuts after it from the engine's recent step time,
+    # so the listener's buffer never runs dry (step/first_chunk.py). False: always exactly
+    # first_chunk_frames and whole calls after it, whatever the load (tests)
+    first_chunk_follows_load: StrictBool = True
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: Positive = 2048
     voices: StrictBool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one
@@ -119,8 +119,19 @@ class EngineOptions:
 
     @property
     def first_piece_frames(self) -> int:
-        """Code frames of a stream's first audio piece (``first_chunk_frames`` or a whole call)."""
+        """Code frames of a stream's shortest first audio piece (``first_chunk_frames`` or a
+        whole call)."""
         return self.first_chunk_frames or self.chunk_frames
+
+    @property
+    def first_chunk_lengths(self) -> list[int]:
+        """A first chunk's possible lengths inside a call: ``first_chunk_frames``, then each
+        step's end (``steps_per_sync``) before the call's (empty: whole calls)."""
+        lengths, frames = [], self.first_piece_frames
+        while frames < self.chunk_frames:
+            lengths.append(frames)
+            frames = (frames // self.steps_per_sync + 1) * self.steps_per_sync
+        return lengths
 
     @classmethod
     def from_raw(cls, raw: dict[str, object]) -> "EngineOptions":

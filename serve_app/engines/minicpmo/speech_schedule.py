@@ -126,11 +126,11 @@ class SpeechSchedule:
     tokenize: Callable[[str], list[int]]
     decode_tokens: Callable[[Sequence[int]], str]
     chunk_frames: int = 25
-    # code frames of the stream's first audio piece: its first generate call is decoded (and
-    # its audio sent) at this many frames too, then at ``chunk_frames`` as upstream. Equal to
-    # ``chunk_frames``: upstream's pieces exactly. The codes never change, only where the
-    # decoder cuts the first call's audio (EngineOptions.first_chunk_frames)
-    first_chunk_frames: int = 25
+    # frames (counted from the stream's start) at which a generate call's audio is also
+    # decoded and sent, besides each call's end (step/first_chunk.py): the first chunk's end and
+    # the cuts that keep a new listener fed. Empty: upstream's pieces exactly. The codes never
+    # change, only where the decoder cuts the audio (EngineOptions.first_chunk_frames)
+    extra_cuts: frozenset[int] = frozenset()
     max_segment_frames: int = 2048
     max_positions: int = 4096
     ignore_eos: bool = False
@@ -156,7 +156,6 @@ class SpeechSchedule:
     stopped: bool = False
     frames_total: int = 0
     segment_started_fresh: bool = True
-    early_piece_due: bool = True  # the first call's early piece (first_chunk_frames) is to come
     text_since_emit: str = ""
     # this segment's pieces as received and as added to ``gen_text`` (for :meth:`cut_at_break`)
     piece_log: list[tuple[str, str]] = field(default_factory=list)
@@ -310,11 +309,9 @@ class SpeechSchedule:
         out_of_room = self.position_capacity_left() <= 0
         call_over = finished or limit_hit or out_of_room or self.call_frames >= self.chunk_frames
         if not call_over:
-            if self.early_piece_due and self.call_frames == self.first_chunk_frames:
-                self.early_piece_due = False
+            if self.frames_total in self.extra_cuts and not self.carried_segment:
                 return self._piece_job(last=False)
             return []
-        self.early_piece_due = False
         self.call_lengths.append(len(self.segment_frames))
         jobs = self._piece_job(last=finished or limit_hit or out_of_room)
         if finished or limit_hit:

@@ -13,7 +13,7 @@ import torch
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
 from serve_app.engines.minicpmo.model.codec import OVERLAP_SAMPLES, SAMPLES_PER_CODE_FRAME
 from serve_app.engines.minicpmo.model.loader import load_speech_model
-from serve_app.engines.minicpmo.step.first_chunk import FRAME_S, FirstChunkPlanner, keeps_buffer
+from serve_app.engines.minicpmo.step.first_chunk import FRAME_S, FirstChunkPlanner, piece_cuts
 from tests.engines.minicpmo.test_golden_parity import golden_codes_by_call, golden_plan
 from tests.golden.checkpoint import load_expected
 
@@ -30,7 +30,8 @@ def early_engine(tiny_checkpoint):
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
                             max_slots=4, max_chat_slots=2, tts_max_positions=1024,
                             llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
-                            first_chunk_frames=FIRST_CHUNK_FRAMES, first_chunk_safety=0)
+                            first_chunk_frames=FIRST_CHUNK_FRAMES,
+                            first_chunk_follows_load=False)
     engine = MiniCPMOEngine(model, options)
     yield engine
     engine.close()
@@ -65,52 +66,97 @@ def test_first_chunk_frames_beyond_a_call_is_refused():
         EngineOptions(chunk_frames=25, first_chunk_frames=30)
 
 
-@pytest.mark.parametrize("step_ms, frames", [(9, 10), (28, 10), (29, 15), (42, 15), (43, 20),
-                                             (49, 20), (50, 25), (56, 25), (120, 25)])
-def test_a_loaded_engine_sends_a_longer_first_chunk(step_ms, frames):
-    planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=10))  # safety 1.5, 5 per step
+def plan_at(step_ms: float, first_chunk_frames: int = 10) -> tuple[int, ...]:
+    planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=first_chunk_frames))
     planner.observe(step_ms / 1000)
-    assert planner.frames() == frames
+    return planner.cuts()
 
 
-def test_the_step_time_follows_recent_steps():
+@pytest.mark.parametrize("step_ms, cuts", [
+    (9, (10,)),  # one stream: the first audio after 2 steps, whole calls after it
+    (40, (10, 15)),  # the first call's audio cut at two steps' ends, then whole calls
+    (53, (15, 30)),  # 640 read streams on an H100: 3 steps, one more cut in the second call
+    (70, (15, 20, 30, 35)),
+    (100, ()),  # too close to real time to start thin: upstream's pieces
+])
+def test_a_loaded_engine_cuts_a_longer_first_chunk_and_more_pieces(step_ms, cuts):
+    assert plan_at(step_ms) == cuts
+
+
+def test_the_plan_follows_the_recent_step_time():
     planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=10))
     planner.observe(0.009)
-    assert planner.frames() == 10  # one stream: 9 ms steps
-    for _ in range(40):  # load arrives: steps take 60 ms
-        planner.observe(0.060)
-    assert planner.frames() == 25
+    assert planner.cuts() == (10,)
+    for _ in range(40):  # load arrives: steps take 70 ms
+        planner.observe(0.070)
+    assert planner.cuts()[0] == 15
     for _ in range(40):
-        planner.observe(0.020)
-    assert planner.frames() == 10
+        planner.observe(0.009)
+    assert planner.cuts() == (10,)
 
 
-def runs_dry(first: int, step_s: float) -> bool:
-    """A player starting at the first chunk runs dry before the second call's chunk, if steps
-    take ``step_s`` (25-frame calls, 5 frames a step, 4 frames held back for the crossfade)."""
-    rest_at = -(-(25 - first) // 5)
-    arrivals = [(0, first - 4), (rest_at, 25 - first), (rest_at + 5, 25)]  # (step, frames)
-    held_s = 0.0
-    for at_step, frames in arrivals:
-        if at_step * step_s > held_s + 1e-9:
-            return True
-        held_s += frames * FRAME_S
-    return False
+def longest_wait_s(cuts: tuple[int, ...], step_s: float, late_s: float, frames: int = 300) -> float:
+    """Play the stream out: pieces end at the cuts and at every 25-frame call's end, the piece
+    ending at frame g arrives (g - first) / 5 steps after the first one plus ``late_s``, each
+    piece sends its frames up to 4 before its end. The longest the player waits for audio."""
+    first = cuts[0] if cuts else 25
+    ends = sorted(set(cuts) | set(range(25, frames + 1, 25)))
+    sent_frames, worst = 0, 0.0
+    for index, end in enumerate(ends):
+        at = 0.0 if index == 0 else (end - first) / 5 * step_s + late_s
+        worst = max(worst, at - sent_frames * FRAME_S)
+        sent_frames = end - 4
+    return worst
 
 
-@pytest.mark.parametrize("step_ms", [5, 20, 30, 40, 45, 49])
-def test_the_shortest_first_chunk_that_keeps_a_player_fed_is_chosen(step_ms):
-    planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=10))
-    planner.observe(step_ms / 1000)
-    first = planner.frames()
-    planned_step_s = step_ms / 1000 * planner.safety
-    assert not runs_dry(first, planned_step_s)
-    assert keeps_buffer(first, planned_step_s, 25, 5)
-    if first > 10:  # one step's frames shorter would run dry at that step time
-        assert runs_dry(first - 5, planned_step_s)
+@pytest.mark.parametrize("step_ms", [5, 20, 30, 40, 45, 53, 60, 70, 80])
+def test_the_planned_cuts_keep_a_player_fed_when_chunks_come_two_steps_late(step_ms):
+    step_s = step_ms / 1000
+    cuts = plan_at(step_ms)
+    assert longest_wait_s(cuts, step_s, late_s=2 * step_s) <= 1e-9
+    if cuts and cuts[0] > 10:  # a shorter first chunk has no such plan
+        assert piece_cuts(cuts[0] - 5, step_s, 25, 5) is None
 
 
 def test_without_a_shorter_first_chunk_every_call_is_one_piece():
     planner = FirstChunkPlanner(EngineOptions())
     planner.observe(0.001)
-    assert planner.frames() == 25
+    assert planner.cuts() == ()
+
+
+@pytest.mark.parametrize("case", ["stream_short", "stream_long"])
+def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_them(tiny_checkpoint,
+                                                                                 case):
+    """The real engine, planning its cuts for 70 ms steps: codes and length exactly upstream's,
+    the audio exactly upstream's away from each cut."""
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                            max_slots=4, max_chat_slots=2, tts_max_positions=1024,
+                            llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
+                            first_chunk_frames=10)
+    engine = MiniCPMOEngine(model, options)
+    planner = engine._loop.admission.first_chunk
+    expected = load_expected(case)
+    try:
+        planner.step_s = 0.070  # as if loaded: the stream is admitted at the next step
+
+        async def run():
+            (stream,) = engine.submit_plans([golden_plan(case, "cuts")])
+            return [chunk.samples async for chunk in stream]
+
+        chunks = asyncio.run(run())
+        schedule = engine.trace("cuts")
+    finally:
+        engine.close()
+    cuts = sorted(schedule.extra_cuts)
+    assert cuts == [15, 20, 30, 35]
+    assert np.array_equal(np.concatenate(golden_codes_by_call(schedule)), expected["codes"])
+    assert len(chunks[0]) == cuts[0] * SAMPLES_PER_CODE_FRAME - OVERLAP_SAMPLES
+    wav, want = np.concatenate(chunks), expected["wav"]
+    assert wav.shape == want.shape
+    near_a_cut = np.zeros(len(want), dtype=bool)
+    for cut in cuts:
+        near_a_cut[max(cut - CHANGED_BEFORE_CUT, 0) * SAMPLES_PER_CODE_FRAME:
+                   (cut + CHANGED_AFTER_CUT) * SAMPLES_PER_CODE_FRAME] = True
+    np.testing.assert_allclose(wav[~near_a_cut], want[~near_a_cut], rtol=1e-4, atol=1e-5)
+    assert np.abs(wav[near_a_cut] - want[near_a_cut]).max() < 0.1 * np.abs(want).max()

@@ -314,9 +314,10 @@ class GraphModelRunner(ModelRunner):
         self.llm_graphs.capture_all()
         longest_piece = options.chunk_frames + CONTEXT_FRAMES
         common = {options.chunk_frames, longest_piece}
-        first = options.first_piece_frames
-        if first < options.chunk_frames:  # every first call is cut in two: its pieces' lengths
-            common |= {first, options.chunk_frames - first + min(first, CONTEXT_FRAMES)}
+        if options.first_piece_frames < options.chunk_frames:  # first calls cut: their pieces
+            for first in options.first_chunk_lengths:
+                common |= {first, options.chunk_frames - first + CONTEXT_FRAMES}
+            common.add(options.steps_per_sync + CONTEXT_FRAMES)
         decode_graphs = MultiLengthDecodeGraphs(
             model.decoder, sorted(common), longest_piece,
             min(options.max_slots, 64))

@@ -93,7 +93,7 @@ class Admission:
             tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
             decode_tokens=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
             chunk_frames=self.options.chunk_frames,
-            first_chunk_frames=self.first_chunk.frames(),
+            extra_cuts=frozenset(self.first_chunk.cuts()),
             max_segment_frames=self.options.max_segment_frames,
             max_positions=self.options.tts_max_positions,
             ignore_eos=lengths.ignore_eos or lengths.audio_frames is not None,

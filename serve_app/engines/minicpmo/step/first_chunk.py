@@ -1,56 +1,84 @@
-"""How many code frames a new stream's first audio chunk holds (``first_chunk_frames``).
+"""Where a new stream's first audio is cut (``first_chunk_frames``): the first chunk, and the
+extra cuts after it that keep the listener fed until whole calls can.
 
-A shorter first chunk reaches the listener sooner, but the listener then plays from a thinner
-buffer: every later chunk has to arrive before the audio already received has played out. The
-first generate call is cut once, at ``F`` frames; its rest arrives ``ceil((C - F) / w)`` steps
-later (C = ``chunk_frames``, w = ``steps_per_sync`` frames a step), the second call's chunk a
-whole call of steps after that. Each chunk leaves the last ``CONTEXT_FRAMES`` frames held back
-for the crossfade. So, with s the step time and a the audio of one frame (21.3 ms), a first
-chunk of F frames keeps the buffer from running dry while
+Upstream decodes audio once per generate call of C = ``chunk_frames`` (25) code frames. Cutting
+a call's audio early (the codes are unchanged, only where the decoder cuts) sends the first
+audio after F frames instead of C. But the listener starts playing then, from a thin buffer:
+each later chunk must arrive before the audio already received has played out. The engine makes
+w = ``steps_per_sync`` (5) frames a step for every stream, so the piece that ends at frame g
+arrives ``(g - F) / w`` steps after the first chunk; by then the listener holds the audio of the
+frames up to the previous cut, less the ``CONTEXT_FRAMES`` (4) every piece holds back for the
+crossfade. A frame is 21.3 ms of audio, and a step at load takes 40-70 ms on an H100.
 
-- the first call's rest is in time: ``ceil((C - F) / w) * s <= (F - 4) * a``, and
-- the second call's chunk is in time: ``(ceil((C - F) / w) + ceil(C / w)) * s <= (C - 4) * a``
+:func:`piece_cuts` plans the cuts from F on: where the rest of a call would come too late, it
+cuts the call's audio at the next step's end too, so the buffer grows by a step's audio less a
+step's time (5 x 21.3 ms - s) each step; once the listener holds enough for a whole call's
+steps it leaves the calls whole (upstream's pieces), for the rest of the stream. Every arrival
+is allowed to be :data:`SLACK_STEPS` steps late (a step with admission prefills or a garbage
+collection takes up to twice the mean). :class:`FirstChunkPlanner` follows the engine's step
+time and gives each new stream the plan with the shortest first chunk that has one.
 
-(later calls only gain: a call makes C frames of audio in ``ceil(C / w)`` steps, faster than
-real time while ``s < w * a``). The planner checks both against the engine's recent step time
-times ``first_chunk_safety`` (steps vary: admission prefills, collections) and picks the
-smallest such F from ``first_chunk_frames`` up in steps of w, else a whole call. With the
-defaults (C 25, w 5, safety 1.5): 10 frames while steps take <= 28 ms, 15 to 42 ms, 20 to 50 ms,
-a whole call above that. On an H100 a step takes 9 ms for one stream and ~56 ms at 640 read
-streams; at 640 a fixed 15-frame first chunk left 69 % of the streams running dry.
+Measured on an H100 (docs/benchmarks/history/engine-h100-3803f57-first15.json): a fixed first
+chunk of 15 frames and whole calls after it, at 640 read streams (56 ms steps), cut TTFB p50 from
+407 to 261 ms but left 69 % of the streams running dry before the second call's audio.
 """
 
 from __future__ import annotations
-
-import math
 
 from ..model.codec import CONTEXT_FRAMES, SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from ..options import EngineOptions
 
 FRAME_S = SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ  # audio of one code frame: 21.3 ms
+# How many steps late any chunk may arrive without the listener running dry: a step with
+# admission prefills or a collection takes up to about twice the mean (step_ms p99 / p50 on an
+# H100 at 512-704 read streams: 1.6-2.1).
+SLACK_STEPS = 2.0
+# Extra cuts only within a stream's first calls: a stream that would need more is on an engine
+# too close to real time for a short first chunk (it gets upstream's pieces).
+MAX_CUT_FRAMES = 100
 # How fast the recent step time follows new steps (an exponential average over ~10 steps).
 STEP_TIME_WEIGHT = 0.1
 
 
-def keeps_buffer(first_frames: int, step_s: float, chunk_frames: int, window: int) -> bool:
-    """A first chunk of ``first_frames`` frames keeps the listener's buffer from running dry
-    while steps take ``step_s`` (the two conditions in this module's docstring)."""
-    if first_frames >= chunk_frames:
-        return True
-    to_rest = math.ceil((chunk_frames - first_frames) / window)
-    to_second_call = to_rest + math.ceil(chunk_frames / window)
-    return (to_rest * step_s <= (first_frames - CONTEXT_FRAMES) * FRAME_S
-            and to_second_call * step_s <= (chunk_frames - CONTEXT_FRAMES) * FRAME_S)
+def piece_cuts(first: int, step_s: float, chunk_frames: int, window: int,
+               slack_steps: float = SLACK_STEPS) -> tuple[int, ...] | None:
+    """The frames (counted from the stream's start) at which its audio is cut inside a generate
+    call, the first chunk's end ``first`` included, so that a listener who starts at the first
+    chunk never runs dry while steps take ``step_s``; None if no such cuts exist."""
+    if step_s >= window * FRAME_S:
+        return None  # slower than real time: no buffer ever grows
+
+    def arrives(frame: int) -> float:  # the piece ending at ``frame``, after the first chunk
+        return ((frame - first) / window + slack_steps) * step_s
+
+    def held(frame: int) -> float:  # audio sent once the piece ending at ``frame`` has arrived
+        return (frame - CONTEXT_FRAMES) * FRAME_S
+
+    cuts, last = [first], first
+    while last <= MAX_CUT_FRAMES:
+        if last % chunk_frames == 0 and arrives(last + chunk_frames) <= held(last):
+            return tuple(cut for cut in cuts if cut % chunk_frames)  # whole calls from here
+        call_end = (last // chunk_frames + 1) * chunk_frames
+        if arrives(call_end) <= held(last):
+            last = call_end  # the rest of this call in one piece
+            continue
+        step_end = min((last // window + 1) * window, call_end)
+        if arrives(step_end) > held(last):
+            return None
+        cuts.append(step_end)
+        last = step_end
+    return None
 
 
 class FirstChunkPlanner:
-    """Follows the engine's step time and gives each new stream its first chunk's length."""
+    """Follows the engine's step time and plans each new stream's cuts (:func:`piece_cuts`)."""
 
     def __init__(self, options: EngineOptions) -> None:
         self.chunk_frames = options.chunk_frames
         self.window = options.steps_per_sync
         self.shortest = options.first_piece_frames
-        self.safety = options.first_chunk_safety
+        self.lengths = options.first_chunk_lengths
+        self.follows_load = options.first_chunk_follows_load
         self.step_s: float | None = None  # recent step time (None before the first step)
 
     def observe(self, step_s: float) -> None:
@@ -58,14 +86,15 @@ class FirstChunkPlanner:
         previous = self.step_s
         self.step_s = step_s if previous is None else previous + STEP_TIME_WEIGHT * (step_s - previous)
 
-    def frames(self) -> int:
-        """The first chunk's frames for a stream admitted now."""
-        if self.shortest >= self.chunk_frames or self.safety == 0:
-            return self.shortest
-        step_s = (self.step_s or 0.0) * self.safety
-        candidate = self.shortest
-        while candidate < self.chunk_frames:
-            if keeps_buffer(candidate, step_s, self.chunk_frames, self.window):
-                return candidate
-            candidate = (candidate // self.window + 1) * self.window  # the next window's end
-        return self.chunk_frames
+    def cuts(self) -> tuple[int, ...]:
+        """Where a stream admitted now has its audio cut inside its generate calls (empty:
+        upstream's pieces, one per call)."""
+        if self.shortest >= self.chunk_frames:
+            return ()
+        if not self.follows_load:
+            return (self.shortest,)
+        for first in self.lengths:
+            cuts = piece_cuts(first, self.step_s or 0.0, self.chunk_frames, self.window)
+            if cuts is not None:
+                return cuts
+        return ()
