@@ -74,10 +74,10 @@ def plan_at(step_ms: float, first_chunk_frames: int = 10) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("step_ms, cuts", [
     (9, (10,)),  # one stream: the first audio after 2 steps, whole calls after it
-    (40, (10, 15)),  # the first call's audio cut at two steps' ends, then whole calls
-    (53, (15, 30)),  # 640 read streams on an H100: 3 steps, one more cut in the second call
-    (70, (15, 20, 30, 35)),
-    (100, ()),  # too close to real time to start thin: upstream's pieces
+    (30, (10, 15)),  # the first call's audio cut at two steps' ends, then whole calls
+    (53, (15, 20, 30, 35)),  # 640 read streams on an H100: 3 steps, more cuts in 2 calls
+    (70, (20, 30, 35, 40, 55, 60, 80)),
+    (80, ()),  # too close to real time to start thin: upstream's pieces
 ])
 def test_a_loaded_engine_cuts_a_longer_first_chunk_and_more_pieces(step_ms, cuts):
     assert plan_at(step_ms) == cuts
@@ -87,9 +87,14 @@ def test_the_plan_follows_the_recent_step_time():
     planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=10))
     planner.observe(0.009)
     assert planner.cuts() == (10,)
-    for _ in range(40):  # load arrives: steps take 70 ms
+    for _ in range(3):  # load arrives: slow steps count at once
         planner.observe(0.070)
     assert planner.cuts()[0] == 15
+    for _ in range(40):  # steps take 70 ms
+        planner.observe(0.070)
+    assert planner.cuts()[0] == 20
+    planner.observe(0.009)  # one fast step: the first chunk stays long
+    assert planner.cuts()[0] >= 15
     for _ in range(40):
         planner.observe(0.009)
     assert planner.cuts() == (10,)
@@ -109,11 +114,11 @@ def longest_wait_s(cuts: tuple[int, ...], step_s: float, late_s: float, frames: 
     return worst
 
 
-@pytest.mark.parametrize("step_ms", [5, 20, 30, 40, 45, 53, 60, 70, 80])
-def test_the_planned_cuts_keep_a_player_fed_when_chunks_come_two_steps_late(step_ms):
+@pytest.mark.parametrize("step_ms", [5, 20, 30, 40, 45, 53, 60, 65, 70])
+def test_the_planned_cuts_keep_a_player_fed_when_steps_are_slower_and_chunks_late(step_ms):
     step_s = step_ms / 1000
     cuts = plan_at(step_ms)
-    assert longest_wait_s(cuts, step_s, late_s=2 * step_s) <= 1e-9
+    assert longest_wait_s(cuts, 1.25 * step_s, late_s=2 * step_s) <= 1e-9
     if cuts and cuts[0] > 10:  # a shorter first chunk has no such plan
         assert piece_cuts(cuts[0] - 5, step_s, 25, 5) is None
 
@@ -127,7 +132,7 @@ def test_without_a_shorter_first_chunk_every_call_is_one_piece():
 @pytest.mark.parametrize("case", ["stream_short", "stream_long"])
 def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_them(tiny_checkpoint,
                                                                                  case):
-    """The real engine, planning its cuts for 70 ms steps: codes and length exactly upstream's,
+    """The real engine, planning its cuts for 60 ms steps: codes and length exactly upstream's,
     the audio exactly upstream's away from each cut."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
@@ -138,7 +143,7 @@ def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_the
     planner = engine._loop.admission.first_chunk
     expected = load_expected(case)
     try:
-        planner.step_s = 0.070  # as if loaded: the stream is admitted at the next step
+        planner.step_s = 0.060  # as if loaded: the stream is admitted at the next step
 
         async def run():
             (stream,) = engine.submit_plans([golden_plan(case, "cuts")])
@@ -149,7 +154,7 @@ def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_the
     finally:
         engine.close()
     cuts = sorted(schedule.extra_cuts)
-    assert cuts == [15, 20, 30, 35]
+    assert cuts == [15, 20, 30, 35, 55]
     assert np.array_equal(np.concatenate(golden_codes_by_call(schedule)), expected["codes"])
     assert len(chunks[0]) == cuts[0] * SAMPLES_PER_CODE_FRAME - OVERLAP_SAMPLES
     wav, want = np.concatenate(chunks), expected["wav"]

@@ -13,14 +13,17 @@ crossfade. A frame is 21.3 ms of audio, and a step at load takes 40-70 ms on an 
 :func:`piece_cuts` plans the cuts from F on: where the rest of a call would come too late, it
 cuts the call's audio at the next step's end too, so the buffer grows by a step's audio less a
 step's time (5 x 21.3 ms - s) each step; once the listener holds enough for a whole call's
-steps it leaves the calls whole (upstream's pieces), for the rest of the stream. Every arrival
-is allowed to be :data:`SLACK_STEPS` steps late (a step with admission prefills or a garbage
-collection takes up to twice the mean). :class:`FirstChunkPlanner` follows the engine's step
-time and gives each new stream the plan with the shortest first chunk that has one.
+steps it leaves the calls whole (upstream's pieces), for the rest of the stream. Steps are
+planned :data:`STEP_TIME_MARGIN` slower than the recent ones, and every arrival is allowed to be
+:data:`SLACK_STEPS` steps later still (a step with admission prefills or a garbage collection
+takes up to twice the mean). :class:`FirstChunkPlanner` follows the engine's step time (up at
+once, down slowly) and gives each new stream the plan with the shortest first chunk that has
+one.
 
 Measured on an H100 (docs/benchmarks/history/engine-h100-3803f57-first15.json): a fixed first
 chunk of 15 frames and whole calls after it, at 640 read streams (56 ms steps), cut TTFB p50 from
-407 to 261 ms but left 69 % of the streams running dry before the second call's audio.
+407 to 261 ms but left 69 % of the streams running dry before the second call's audio; planned
+cuts with two steps of slack alone (2704484) held 640 (TTFB p99 337 ms) but left 12 % dry at 704.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ FRAME_S = SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ  # audio of one code frame: 21
 # admission prefills or a collection takes up to about twice the mean (step_ms p99 / p50 on an
 # H100 at 512-704 read streams: 1.6-2.1).
 SLACK_STEPS = 2.0
+# ... and a run of steps is planned this much slower than the recent mean step (the lateness of
+# several slow steps adds up)
+STEP_TIME_MARGIN = 1.25
 # Extra cuts only within a stream's first calls: a stream that would need more is on an engine
 # too close to real time for a short first chunk (it gets upstream's pieces).
 MAX_CUT_FRAMES = 100
-# How fast the recent step time follows new steps (an exponential average over ~10 steps).
-STEP_TIME_WEIGHT = 0.1
+# How fast the recent step time follows new steps: an exponential average that follows a
+# slower step at once (~3 steps) and a faster one over ~10 steps.
+STEP_TIME_WEIGHT_UP = 0.3
+STEP_TIME_WEIGHT_DOWN = 0.1
 
 
 def piece_cuts(first: int, step_s: float, chunk_frames: int, window: int,
@@ -45,11 +53,11 @@ def piece_cuts(first: int, step_s: float, chunk_frames: int, window: int,
     """The frames (counted from the stream's start) at which its audio is cut inside a generate
     call, the first chunk's end ``first`` included, so that a listener who starts at the first
     chunk never runs dry while steps take ``step_s``; None if no such cuts exist."""
-    if step_s >= window * FRAME_S:
-        return None  # slower than real time: no buffer ever grows
+    if step_s * STEP_TIME_MARGIN >= window * FRAME_S:
+        return None  # (nearly) slower than real time: no buffer ever grows
 
     def arrives(frame: int) -> float:  # the piece ending at ``frame``, after the first chunk
-        return ((frame - first) / window + slack_steps) * step_s
+        return ((frame - first) / window * STEP_TIME_MARGIN + slack_steps) * step_s
 
     def held(frame: int) -> float:  # audio sent once the piece ending at ``frame`` has arrived
         return (frame - CONTEXT_FRAMES) * FRAME_S
@@ -84,7 +92,11 @@ class FirstChunkPlanner:
     def observe(self, step_s: float) -> None:
         """A step took ``step_s`` seconds."""
         previous = self.step_s
-        self.step_s = step_s if previous is None else previous + STEP_TIME_WEIGHT * (step_s - previous)
+        if previous is None:
+            self.step_s = step_s
+            return
+        weight = STEP_TIME_WEIGHT_UP if step_s > previous else STEP_TIME_WEIGHT_DOWN
+        self.step_s = previous + weight * (step_s - previous)
 
     def cuts(self) -> tuple[int, ...]:
         """Where a stream admitted now has its audio cut inside its generate calls (empty:
