@@ -54,8 +54,10 @@ CLOSE_TIMEOUT_S = 30.0
 # A step's outputs are megabytes (at 704 read streams on an H100, ~150 chunks of ~40 KB) and
 # cross the socket a send buffer at a time; after each read the reader thread must get the GIL
 # back from this process's event loop, which keeps it up to the switch interval: 5 ms by
-# default, 1 ms here (as in the engine process). With it at 5 ms, a first chunk took 23.5 ms
-# p50 / 60.5 ms p99 from the engine process's sink to this reader at 704 read streams (c3318b6).
+# default, 1 ms here (as in the engine process). Not shown to help: a first chunk took 23.5 /
+# 60.5 ms p50 / p99 from the engine process's sink to this reader at read 704 before (c3318b6),
+# and 26.8 / 74.2 ms at read 640 after (bca6c9d), on another, slower machine
+# (docs/benchmarks/README.md, "Current").
 GIL_SWITCH_INTERVAL_S = 0.001
 # Socket buffers asked for on both ends (Linux caps them at net.core.wmem_max / rmem_max, by
 # default ~208 KiB): fewer round trips for a step's outputs where the limits allow.
