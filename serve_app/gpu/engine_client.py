@@ -54,11 +54,10 @@ CLOSE_TIMEOUT_S = 30.0
 # A step's outputs are megabytes (at 704 read streams on an H100, ~150 chunks of ~40 KB) and
 # cross the socket a send buffer at a time; after each read the reader thread must get the GIL
 # back from this process's event loop, which keeps it up to the switch interval: 5 ms by
-# default, 1 ms here (as in the engine process). Not shown to help: a first chunk took 23.5 /
-# 60.5 ms p50 / p99 from the engine process's sink to this reader at read 704 before (c3318b6),
-# and 26.8 / 74.2 ms at read 640 after (bca6c9d), on another, slower machine
-# (docs/benchmarks/README.md, "Current").
-GIL_SWITCH_INTERVAL_S = 0.001
+# default, engine_wire.GIL_SWITCH_INTERVAL_S here (as in the engine process). Not shown to
+# help: a first chunk took 23.5 / 60.5 ms p50 / p99 from the engine process's sink to this
+# reader at read 704 before (c3318b6), and 26.8 / 74.2 ms at read 640 after (bca6c9d), on
+# another, slower machine (docs/benchmarks/README.md, "Current").
 # Socket buffers asked for on both ends (Linux caps them at net.core.wmem_max / rmem_max, by
 # default ~208 KiB): fewer round trips for a step's outputs where the limits allow.
 SOCKET_BUFFER_BYTES = 8 << 20
@@ -155,7 +154,7 @@ class EngineClient:
         for end in (ours, theirs):
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this replica's process: see above
+        sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)  # this replica's process
         env = dict(os.environ)
         # The child imports serve_app from wherever this process found it.
         env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)

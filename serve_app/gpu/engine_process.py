@@ -64,9 +64,6 @@ from serve_app.messages import EngineInfo
 
 logger = logging.getLogger("serve_app.gpu.engine_process")
 
-# The step thread gives up the GIL at every GPU sync and must get it back at once; Python's
-# default switch interval (5 ms) would let this process's other threads hold it that long.
-GIL_SWITCH_INTERVAL_S = 0.001
 # How often changed engine counters are pushed to the replica (its metrics read them).
 STATS_INTERVAL_S = 0.1
 
@@ -236,7 +233,8 @@ class EngineServer:
 
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # the step thread gives up the GIL at every GPU sync and must get it back at once
+    sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=os.environ.get("SERVE_APP_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s engine-process[{os.getpid()}] %(name)s: %(message)s")

@@ -22,6 +22,11 @@ import struct
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
+# Both processes of the wire run with this GIL switch interval (Python's default is 5 ms): a
+# thread that comes back from a socket read or write, or the engine's step thread from a GPU
+# sync, waits at most this long for the GIL (engine_process.py, engine_client.py).
+GIL_SWITCH_INTERVAL_S = 0.001
+
 _COUNT = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
 

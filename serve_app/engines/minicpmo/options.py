@@ -118,16 +118,10 @@ class EngineOptions:
             raise ValueError("text_break_wait_s must be 0 or more seconds")
 
     @property
-    def first_piece_frames(self) -> int:
-        """Code frames of a stream's shortest first audio piece (``first_chunk_frames`` or a
-        whole call)."""
-        return self.first_chunk_frames or self.chunk_frames
-
-    @property
     def first_chunk_lengths(self) -> list[int]:
         """A first chunk's possible lengths inside a call: ``first_chunk_frames``, then each
         step's end (``steps_per_sync``) before the call's (empty: whole calls)."""
-        lengths, frames = [], self.first_piece_frames
+        lengths, frames = [], self.first_chunk_frames or self.chunk_frames
         while frames < self.chunk_frames:
             lengths.append(frames)
             frames = (frames // self.steps_per_sync + 1) * self.steps_per_sync

@@ -314,7 +314,7 @@ class GraphModelRunner(ModelRunner):
         self.llm_graphs.capture_all()
         longest_piece = options.chunk_frames + CONTEXT_FRAMES
         common = {options.chunk_frames, longest_piece}
-        if options.first_piece_frames < options.chunk_frames:  # first calls cut: their pieces
+        if options.first_chunk_lengths:  # first calls cut: their pieces
             for first in options.first_chunk_lengths:
                 common |= {first, options.chunk_frames - first + CONTEXT_FRAMES}
             common.add(options.steps_per_sync + CONTEXT_FRAMES)

@@ -84,7 +84,6 @@ class FirstChunkPlanner:
     def __init__(self, options: EngineOptions) -> None:
         self.chunk_frames = options.chunk_frames
         self.window = options.steps_per_sync
-        self.shortest = options.first_piece_frames
         self.lengths = options.first_chunk_lengths
         self.follows_load = options.first_chunk_follows_load
         self.step_s: float | None = None  # recent step time (None before the first step)
@@ -101,10 +100,10 @@ class FirstChunkPlanner:
     def cuts(self) -> tuple[int, ...]:
         """Where a stream admitted now has its audio cut inside its generate calls (empty:
         upstream's pieces, one per call)."""
-        if self.shortest >= self.chunk_frames:
+        if not self.lengths:
             return ()
         if not self.follows_load:
-            return (self.shortest,)
+            return (self.lengths[0],)
         for first in self.lengths:
             cuts = piece_cuts(first, self.step_s or 0.0, self.chunk_frames, self.window)
             if cuts is not None:
