@@ -110,6 +110,20 @@ class Hardened:
     def engine(self) -> dict:
         return self.handle().stats.remote().result()["engine"]
 
+    def settled_engine(self, timeout_s: float = 15) -> dict:
+        """The engine's counters once no stream runs and they stay put for a few pushes (the
+        replica's copy is pushed every 0.1 s, so an earlier test's abort may still be on its
+        way)."""
+        deadline = time.monotonic() + timeout_s
+        last = self.engine()
+        while True:
+            time.sleep(0.3)
+            stats = self.engine()
+            idle = stats["active_streams"] == 0 and stats["queued_streams"] == 0
+            if (idle and stats == last) or time.monotonic() > deadline:
+                return stats
+            last = stats
+
     def wait_engine(self, predicate, timeout_s: float = 15) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -283,7 +297,7 @@ def test_a_body_that_never_arrives_gets_408_json(hardened: Hardened) -> None:
 
 def test_a_stalled_engine_stream_times_out_with_504_json_and_frees_its_slot(
         hardened: Hardened) -> None:
-    aborted = hardened.engine()["aborted"]
+    aborted = hardened.settled_engine()["aborted"]
     started = time.monotonic()
     with hardened.client() as client:
         response = speak(client, f"{STALL} {LONG_TEXT}")
