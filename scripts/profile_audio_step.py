@@ -42,15 +42,38 @@ def packed_rows(batch: int, args, num_vq: int, device) -> AudioStepInputs:
     def column(value) -> torch.Tensor:
         return torch.full((batch,), value, dtype=torch.long)
 
-    if args.spread_positions:  # row i of B at about (i + 1) / B of the way to --position
-        position = (torch.arange(1, batch + 1) * args.position) // batch
+    if args.spread_positions:  # row i of B about (i + 1) / B of the way from --position-from
+        position = args.position_from + (torch.arange(1, batch + 1)
+                                          * (args.position - args.position_from)) // batch
     else:
         position = column(args.position)
     return AudioStepInputs(
         active=column(1), bos=column(0), frame=torch.randint(0, 600, (batch, num_vq)),
-        position=position, text_len=column(100), call_frames=column(10),
+        position=position, text_len=column(args.text_len), call_frames=column(10),
         eos_after=column(NEVER), warp=column(1), seed=torch.arange(batch), counter=column(7),
         greedy=column(0), steps_left=column(args.steps)).to(device)
+
+
+def check_ranges_kernel(cache: SlotKVCache, rows: torch.Tensor, args, cfg) -> dict:
+    """The Triton two-range kernel against SDPA over the same keys (the ranges' mask), on
+    random keys at the largest batch and the rows' positions: the largest difference."""
+    from serve_app.engines.minicpmo.device.audio_step import audio_visible_ranges
+    from serve_app.engines.minicpmo.model.range_attention import (
+        reference_two_range_attention,
+        two_range_attention,
+    )
+
+    batch = max(args.batches)
+    x = packed_rows(batch, args, cfg.num_vq, cache.keys[0].device)
+    ranges = audio_visible_ranges(x.position, x.position, x.text_len, cfg)
+    keys, values = torch.randn_like(cache.keys[0]), torch.randn_like(cache.values[0])
+    heads = keys.shape[1]
+    q = torch.randn(batch, heads, 1, keys.shape[-1], device=keys.device, dtype=keys.dtype)
+    got = two_range_attention(q, keys, values, rows[:batch], ranges).float()
+    want = reference_two_range_attention(q.float(), keys.float(), values.float(),
+                                         rows[:batch], ranges)
+    return {"batch": batch, "max_abs_diff_vs_fp32_sdpa": float((got - want).abs().max()),
+            "max_abs_value": float(want.abs().max())}
 
 
 def kernel_table(prof, attention: str, batch: int) -> dict:
@@ -129,6 +152,9 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=600, help="where every row is")
     parser.add_argument("--spread-positions", action="store_true",
                         help="rows at positions spread evenly from the start up to --position")
+    parser.add_argument("--position-from", type=int, default=0,
+                        help="with --spread-positions: the lowest position (303: the first frame)")
+    parser.add_argument("--text-len", type=int, default=100, help="TTS text tokens of every row")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul", "flex"],
                         help="one-query attention kernels to compare (layers.set_one_query_attention)")
@@ -157,6 +183,7 @@ def main() -> None:
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "steps_per_window": args.steps, "cache_positions": args.positions,
               "row_position": args.position, "spread_positions": args.spread_positions,
+              "position_from": args.position_from, "text_len": args.text_len,
               "batches": []}
     tag = gpu.split()[1].lower() if len(gpu.split()) > 1 else "gpu"
     out = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / f"audio-step-{tag}.json"
@@ -188,6 +215,9 @@ def main() -> None:
                     save()
                     print(json.dumps(row), flush=True)
 
+        if "visible_ranges" in args.attention:
+            result["visible_ranges_check"] = check_ranges_kernel(cache, rows, args, tts.config)
+            print(json.dumps(result["visible_ranges_check"]), flush=True)
         result["profile_one_frame"] = []
         for attention in [] if args.no_kernel_profile else args.attention:
             layers.set_one_query_attention(tts, attention)

@@ -77,9 +77,11 @@ class EngineOptions:
     overlap_llm_step: StrictBool = False
     steps_per_sync: Positive = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
-    # decode-step attention of the TTS: sdpa | matmul | flex (layers.py). flex reads only the
-    # key blocks each row sees (1.3-1.7x faster audio frames at 128-512 streams on an H100) but
-    # compiles each captured batch shape at start (10-19 s each); the chat LLM keeps sdpa
+    # decode-step attention of the TTS: sdpa | matmul | flex | visible_ranges (layers.py). flex
+    # reads only the key blocks each row sees (1.3-1.7x faster audio frames at 128-512 streams
+    # on an H100) but compiles each captured batch shape at start (10-19 s each);
+    # visible_ranges reads only the keys each row sees, two ranges per row, with a Triton
+    # kernel on CUDA (model/range_attention.py); the chat LLM keeps sdpa
     one_query_attention: str = "sdpa"
     # DVAE + Vocos weights and activations: float32 (upstream's output to 1e-6) or bfloat16
     # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "DVAE + Vocos in bf16");

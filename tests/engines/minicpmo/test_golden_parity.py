@@ -29,12 +29,15 @@ def engine(tiny_checkpoint):
     {"steps_per_sync": 1},
     {"steps_per_sync": 7, "one_query_attention": "matmul"},
     {"one_query_attention": "flex"},
-], ids=["sync-every-frame", "sync-every-7-frames-matmul-attention", "flex-attention"])
+    {"one_query_attention": "visible_ranges"},
+], ids=["sync-every-frame", "sync-every-7-frames-matmul-attention", "flex-attention",
+        "visible-ranges-attention"])
 def window_engine(request, tiny_checkpoint):
     """The engine with other step options: ``steps_per_sync`` 1 syncs after every frame (the
     default is 5); 7 does not divide the 25-frame call, so calls end inside a window; decode
-    attention as two matmuls, or as FlexAttention over the key blocks each row sees, instead of
-    torch's fused kernel."""
+    attention as two matmuls, as FlexAttention over the key blocks each row sees, or over the
+    two ranges of keys each row sees (on the CPU: SDPA over the ranges' mask, so the ranges the
+    audio step derives are what is checked), instead of torch's fused kernel."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
                             max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,

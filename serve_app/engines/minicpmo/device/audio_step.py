@@ -114,6 +114,23 @@ def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor
     return visible & ~((keys >= hidden_from[:, None]) & (keys <= cfg.audio_bos_position))
 
 
+def audio_visible_ranges(limit: torch.Tensor, past: torch.Tensor, text_len: torch.Tensor,
+                         cfg: TTSConfig) -> torch.Tensor:
+    """The keys :func:`audio_visibility` marks, as two ranges per row: [..., 3] of (a_end,
+    b_start, b_end), row i seeing ``[0, a_end)`` (the released, written text and the tokens
+    before it) and ``[b_start, b_end)`` (``[Ptts]`` when it is not hidden, then the audio up
+    to ``limit``), as :func:`~..model.range_attention.two_range_attention` reads them."""
+    chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
+                       cfg.streaming_audio_chunk_size, rounding_mode="floor")
+    hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,
+                              max=cfg.streaming_text_reserved_len) + cfg.text_start
+    text_end = torch.minimum(torch.minimum(text_len + cfg.text_start + 1, hidden_from),
+                             torch.clamp(limit + 1, max=cfg.audio_bos_position)).clamp(min=0)
+    ptts_seen = hidden_from > cfg.audio_bos_position
+    audio_start = torch.where(ptts_seen, cfg.audio_bos_position, cfg.condition_length)
+    return torch.stack([text_end, audio_start, limit + 1], dim=-1)
+
+
 def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
                rows: torch.Tensor, contiguous: bool, key_count: int | None = None) -> torch.Tensor:
     """Advance each row one audio frame; returns codes [B, num_vq].
@@ -134,8 +151,12 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
     keys = torch.arange(key_count or cache.max_positions + 1, device=device)
     visible = audio_visibility(keys, position, position, x.text_len, cfg)
     visible = torch.where(active[:, None], visible, keys[None, :] == 0)
+    # the same keys as ranges; inactive rows (0, 0, 0) -> (1, 0, 0): key 0 only
+    ranges = audio_visible_ranges(position, position, x.text_len, cfg) * active[:, None]
+    ranges = torch.cat([ranges[:, :1].clamp(min=1), ranges[:, 1:]], dim=1)
     write = torch.where(active, position, torch.full_like(position, cache.scratch_position))
-    step = StepInputs(rows, position[:, None], write[:, None], visible[:, None, None, :], contiguous)
+    step = StepInputs(rows, position[:, None], write[:, None], visible[:, None, None, :], contiguous,
+                      ranges=ranges)
     hidden = tts(embeds, cache, step)
     logits = tts.code_logits(hidden[:, -1])
     # (0.1, 0.3, 0.1, 0.3) built on device: no host copy may happen inside a CUDA graph
@@ -195,16 +216,22 @@ def attention_span(x: AudioStepInputs, steps: int, spans: list[int]) -> int:
     return shortest_span(spans, int(x.position.max()) + steps - 1)
 
 
-def window_key_reads(x: AudioStepInputs, rows: int, steps: int, span: int,
-                     visible_blocks: bool) -> int:
+def window_key_reads(x: AudioStepInputs, rows: int, steps: int, span: int, kernel: str,
+                     cfg: TTSConfig) -> int:
     """Key positions a window of ``steps`` over ``rows`` rows (graph padding included) reads
-    at attention span ``span``. Attention that reads only the key blocks a row can see
-    (``visible_blocks``: flex) reads at most each stream's own blocks up to its last position
-    in the window, whatever the span. ``x`` on the CPU."""
-    if visible_blocks:
+    at attention span ``span`` with one-query attention ``kernel``. ``flex`` reads at most each
+    stream's own key blocks up to its last position in the window, ``visible_ranges`` exactly
+    the keys each row sees (a padding row: one), both whatever the span; the others read the
+    whole span for every row. ``x`` on the CPU."""
+    if kernel == "flex":
         block = FLEX_KEY_BLOCK
         last = (x.position + steps).clamp(max=span)
         return int(((last + block - 1) // block * block).sum()) * steps
+    if kernel == "visible_ranges":
+        position = x.position[None, :] + torch.arange(steps)[:, None]  # [steps, B]
+        ranges = audio_visible_ranges(position, position, x.text_len[None, :], cfg)
+        seen = ranges[..., 0] + (ranges[..., 2] - ranges[..., 1]).clamp(min=0)
+        return int(seen.sum()) + (rows - x.position.shape[0]) * steps
     return rows * steps * span
 
 

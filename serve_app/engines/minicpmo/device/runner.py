@@ -85,8 +85,10 @@ class ModelRunner:
         # written by the admission prefill, read by every text prefill of the slot's stream
         self.speakers = torch.zeros(options.max_slots, cfg.tts.hidden_size, device=self.device,
                                     dtype=self.dtype)
-        # decode-step attention that reads only the key blocks each row sees (layers.py)
-        self.reads_visible_blocks = options.one_query_attention == "flex"
+        self.one_query_attention = options.one_query_attention
+        # decode-step attention that reads only the key blocks (flex) or the keys each row sees,
+        # whatever the span (layers.py)
+        self.reads_only_visible = options.one_query_attention in ("flex", "visible_ranges")
         self.window = options.steps_per_sync
         self.spans = key_count_buckets(options.tts_max_positions + 1)
         # What the device was asked to do, by kind (benchmarks turn it into bytes moved per
@@ -99,8 +101,9 @@ class ModelRunner:
             fuse_projections(model.llm)
         set_one_query_attention(model.tts, options.one_query_attention)
         # The chat LLM's decode step reads 15 GB of weights and little cache: flex would only
-        # add a compile per captured shape to the start, so it keeps SDPA.
-        set_one_query_attention(model.llm, "sdpa" if self.reads_visible_blocks
+        # add a compile per captured shape to the start, so it keeps SDPA (and its steps give
+        # no visible ranges).
+        set_one_query_attention(model.llm, "sdpa" if self.reads_only_visible
                                 else options.one_query_attention)
         if self.device.type == "cuda":
             self._warm_up_int4(model)
@@ -273,10 +276,11 @@ class ModelRunner:
                                      False, self.window, span))
 
     def _count_audio_window(self, rows: int, span: int, inputs: AudioStepInputs) -> None:
-        """Count a window of ``rows`` (graph padding included) over ``span`` keys. Attention that
-        reads only the key blocks a row can see (flex) reads at most each stream's own blocks
-        up to its last position in the window, whatever the span (:func:`window_key_reads`)."""
-        key_reads = window_key_reads(inputs, rows, self.window, span, self.reads_visible_blocks)
+        """Count a window of ``rows`` (graph padding included) over ``span`` keys; attention
+        that reads only what a row sees (flex, visible_ranges) reads less than the span
+        (:func:`window_key_reads`)."""
+        key_reads = window_key_reads(inputs, rows, self.window, span, self.one_query_attention,
+                                     self.model.tts.config)
         self.work.update(audio_windows=1, audio_frame_steps=self.window,
                          audio_rows=rows * self.window, audio_key_reads=key_reads)
 
@@ -296,7 +300,7 @@ class GraphModelRunner(ModelRunner):
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
-                                            whole_span_only=self.reads_visible_blocks)
+                                            whole_span_only=self.reads_only_visible)
         self.text_prefill_graphs = {
             PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
                                               max_rows=TEXT_PREFILL_ROWS),

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import (  # the math is transforme
 )
 
 from .names import ONE_QUERY_KERNELS
+from .range_attention import two_range_attention
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,9 @@ class StepInputs:
     a T shorter than the cache makes attention read only those positions);
     ``contiguous``: rows are exactly ``0..B-1``, so the cache is sliced instead of gathered;
     ``block_mask``: FlexAttention's block mask of ``attend`` (:func:`visible_blocks`), built by
-    the first layer that attends with flex and read by the others.
+    the first layer that attends with flex and read by the others;
+    ``ranges``: the keys ``attend`` marks as two ranges per row, [B, 3] (a_end, b_start, b_end;
+    :func:`~.range_attention.two_range_attention`), where a one-query step can give them.
     """
 
     rows: torch.Tensor
@@ -107,6 +110,7 @@ class StepInputs:
     attend: torch.Tensor
     contiguous: bool = False
     block_mask: object | None = None
+    ranges: torch.Tensor | None = None
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -162,6 +166,9 @@ class SlotAttention(nn.Module):
         row_index = step.rows[:, None]
         keys[row_index, :, step.write_positions] = k.transpose(1, 2)
         values[row_index, :, step.write_positions] = v.transpose(1, 2)
+        if seq == 1 and self.one_query_kernel == "visible_ranges" and step.ranges is not None:
+            out = two_range_attention(q, keys, values, step.rows, step.ranges)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         span = step.attend.shape[-1]
         keys, values = keys[:, :, :span], values[:, :, :span]
         if step.contiguous:
@@ -182,8 +189,10 @@ class SlotAttention(nn.Module):
 
 def set_one_query_attention(model: nn.Module, kernel: str) -> None:
     """Choose how the decoders in ``model`` attend for one query per row (decode steps):
-    ``sdpa`` (torch's fused kernels), ``matmul`` (:func:`one_query_attention`) or ``flex``
-    (:func:`flex_one_query_attention`: only the key blocks a row can see are read)."""
+    ``sdpa`` (torch's fused kernels), ``matmul`` (:func:`one_query_attention`), ``flex``
+    (:func:`flex_one_query_attention`: only the key blocks a row can see are read) or
+    ``visible_ranges`` (:func:`~.range_attention.two_range_attention`: only the keys a row
+    sees, where the step gives them as ranges; SDPA where it does not)."""
     if kernel not in ONE_QUERY_KERNELS:
         raise ValueError(f"one-query attention must be one of {ONE_QUERY_KERNELS}, not {kernel!r}")
     for module in model.modules():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 DEFAULT_MODEL_ID = "openbmb/MiniCPM-o-2_6"
 # decode-step attention of the TTS (layers.set_one_query_attention)
-ONE_QUERY_KERNELS = ("sdpa", "matmul", "flex")
+ONE_QUERY_KERNELS = ("sdpa", "matmul", "flex", "visible_ranges")
 # the LLM linears (quantization.py)
 QUANTIZATION_MODES = ("none", "int8", "int4", "int4-tinygemm")
 # DVAE + Vocos weights and activations (the engine maps them to torch dtypes)
