@@ -54,26 +54,37 @@ def packed_rows(batch: int, args, num_vq: int, device) -> AudioStepInputs:
         greedy=column(0), steps_left=column(args.steps)).to(device)
 
 
-def check_ranges_kernel(cache: SlotKVCache, rows: torch.Tensor, args, cfg) -> dict:
-    """The Triton two-range kernel against SDPA over the same keys (the ranges' mask), on
-    random keys at the largest batch and the rows' positions: the largest difference."""
+def check_ranges_kernel(tts, cache: SlotKVCache, rows: torch.Tensor, args) -> dict:
+    """The first TTS layer's attention through the fused visible-ranges kernel against the same
+    layer through SDPA over the ranges' mask (torch's rotary embedding and cache write), on
+    random keys at the largest batch and the rows' positions: the largest difference of the
+    outputs and of the keys each wrote."""
     from serve_app.engines.minicpmo.device.audio_step import audio_visible_ranges
-    from serve_app.engines.minicpmo.model.range_attention import (
-        reference_two_range_attention,
-        two_range_attention,
-    )
+    from serve_app.engines.minicpmo.model.layers import StepInputs, rotary_cos_sin
+    from serve_app.engines.minicpmo.model.range_attention import ranges_mask
 
+    cfg = tts.config
     batch = max(args.batches)
-    x = packed_rows(batch, args, cfg.num_vq, cache.keys[0].device)
+    device = cache.keys[0].device
+    x = packed_rows(batch, args, cfg.num_vq, device)
     ranges = audio_visible_ranges(x.position, x.position, x.text_len, cfg)
+    attention = tts.model.layers[0].self_attn
     keys, values = torch.randn_like(cache.keys[0]), torch.randn_like(cache.values[0])
-    heads = keys.shape[1]
-    q = torch.randn(batch, heads, 1, keys.shape[-1], device=keys.device, dtype=keys.dtype)
-    got = two_range_attention(q, keys, values, rows[:batch], ranges).float()
-    want = reference_two_range_attention(q.float(), keys.float(), values.float(),
-                                         rows[:batch], ranges)
-    return {"batch": batch, "max_abs_diff_vs_fp32_sdpa": float((got - want).abs().max()),
-            "max_abs_value": float(want.abs().max())}
+    hidden = torch.randn(batch, 1, cfg.hidden_size, device=device, dtype=keys.dtype)
+    cos, sin = rotary_cos_sin(x.position[:, None], attention.head_dim, cfg.rope_theta, keys.dtype)
+    step = StepInputs(rows[:batch], x.position[:, None], x.position[:, None],
+                      ranges_mask(ranges, keys.shape[2]), ranges=ranges)
+    results = {}
+    for kernel in ("visible_ranges", "sdpa"):
+        attention.one_query_kernel = kernel
+        layer_keys, layer_values = keys.clone(), values.clone()
+        results[kernel] = (attention(hidden, cos, sin, layer_keys, layer_values, step).float(),
+                           layer_keys.float())
+    attention.one_query_kernel = "visible_ranges"
+    (got, got_keys), (want, want_keys) = results["visible_ranges"], results["sdpa"]
+    return {"batch": batch, "max_abs_output_diff_vs_sdpa": float((got - want).abs().max()),
+            "max_abs_output": float(want.abs().max()),
+            "max_abs_written_key_diff": float((got_keys - want_keys).abs().max())}
 
 
 def kernel_table(prof, attention: str, batch: int) -> dict:
@@ -216,7 +227,8 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
 
         if "visible_ranges" in args.attention:
-            result["visible_ranges_check"] = check_ranges_kernel(cache, rows, args, tts.config)
+            layers.set_one_query_attention(tts, "visible_ranges")
+            result["visible_ranges_check"] = check_ranges_kernel(tts, cache, rows, args)
             print(json.dumps(result["visible_ranges_check"]), flush=True)
         result["profile_one_frame"] = []
         for attention in [] if args.no_kernel_profile else args.attention:

@@ -1,6 +1,7 @@
 """Decode attention over the two ranges of keys an audio query sees (model/range_attention.py):
 the ranges the audio step derives mark exactly the keys of its visibility mask, and the Triton
-kernel (run by Triton's interpreter on the CPU) computes what SDPA over that mask computes."""
+kernel (run by Triton's interpreter on the CPU) computes what the attention layer computes
+without it: rotary embedding, cache write, SDPA over the ranges' mask."""
 
 from __future__ import annotations
 
@@ -18,13 +19,19 @@ from serve_app.engines.minicpmo.device.audio_step import (
     audio_visible_ranges,
     window_key_reads,
 )
+from serve_app.engines.minicpmo.model.layers import (
+    DecoderShape,
+    SlotAttention,
+    SlotKVCache,
+    StepInputs,
+    rotary_cos_sin,
+)
 from serve_app.engines.minicpmo.model.modeling import TTSConfig
 from serve_app.engines.minicpmo.model.range_attention import (
-    build_two_range_kernel,
-    launch_two_range_kernel,
+    build_rope_write_attention_kernel,
     ranges_mask,
     reference_two_range_attention,
-    two_range_attention,
+    rope_write_two_range_attention,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -76,54 +83,73 @@ def test_window_key_reads_counts_exactly_the_keys_the_rows_see():
     assert window_key_reads(x, 64, 5, 1025, "sdpa", CFG) == 64 * 5 * 1025
 
 
-def check_kernel_against_sdpa(kv_heads: int) -> None:
+def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype) -> None:
     """The kernel (as Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must be set before
-    anything imports Triton, which transformers does) against SDPA over the ranges' mask."""
-    kernel = build_two_range_kernel()
-    generator = torch.Generator().manual_seed(kv_heads)
-    slots, heads, positions, dim = 7, 4, 300, 64
-    keys = torch.randn(slots, kv_heads, positions, dim, generator=generator)
-    values = torch.randn(slots, kv_heads, positions, dim, generator=generator)
+    anything imports Triton, which transformers does) against the attention layer's own path
+    off CUDA (rotary embedding, cache write, SDPA over the ranges' mask): the layer's output
+    and both caches after the step."""
+    torch.manual_seed(kv_heads)
+    shape = DecoderShape(hidden_size=256, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=kv_heads, rope_theta=10000.0, rms_norm_eps=1e-6,
+                         qkv_bias=True)
+    layer = SlotAttention(shape).to(dtype)
+    layer.fuse_projections()
+    cache = SlotKVCache(shape, 7, 299, torch.device("cpu"), dtype)
+    cache.all_keys.normal_()
+    cache.all_values.normal_()
     rows = torch.tensor([6, 0, 3, 2, 5])  # gathered by slot, out of order
-    ranges = torch.tensor([[1, 0, 0],        # a padding row: key 0 only
+    ranges = torch.tensor([[1, 0, 0],        # a padding row: key 0 only, writes to scratch
                            [70, 150, 299],   # both ranges cross tile boundaries
-                           [3, 100, 101],    # one key in the second range
+                           [3, 100, 101],    # the new key alone in the second range
                            [64, 64, 130],    # the ranges touch
-                           [200, 250, 240]])  # an empty second range
-    q = torch.randn(len(rows), heads, 1, dim, generator=generator)
-    want = reference_two_range_attention(q, keys, values, rows, ranges)
-    got = launch_two_range_kernel(kernel, q, keys, values, rows, ranges)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # bfloat16 cache and query: float32 inside, one rounding at the end (the interpreter rounds
-    # toward zero, CUDA to nearest: within one bfloat16 step of the float32 answer either way)
-    got = launch_two_range_kernel(kernel, q.bfloat16(), keys.bfloat16(), values.bfloat16(),
-                                  rows, ranges)
-    exact = reference_two_range_attention(q.bfloat16().float(), keys.bfloat16().float(),
-                                          values.bfloat16().float(), rows, ranges)
-    assert got.dtype == torch.bfloat16
-    step = exact.abs().clamp(min=2.0 ** -126) * 2.0 ** -7
-    assert bool(((got.float() - exact).abs() <= step).all()), float((got.float() - exact).abs().max())
+                           [200, 250, 240]])  # an empty second range: the new key is at 199
+    written = torch.tensor([cache.scratch_position, 298, 100, 129, 199])
+    positions = torch.tensor([5, 298, 100, 129, 199])
+    hidden = torch.randn(len(rows), 1, shape.hidden_size).to(dtype)
+    cos, sin = rotary_cos_sin(positions[:, None], shape.head_dim, shape.rope_theta, dtype)
+    step = StepInputs(rows, positions[:, None], written[:, None],
+                      ranges_mask(ranges, cache.max_positions + 1), ranges=ranges)
+    layer.one_query_kernel = "visible_ranges"
+    reference_keys, reference_values = cache.keys[0].clone(), cache.values[0].clone()
+    want = layer(hidden, cos, sin, reference_keys, reference_values, step)
+
+    q, k, v = layer._projections(hidden)
+    out = rope_write_two_range_attention(
+        q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.keys[0], cache.values[0], rows,
+        written, ranges, kernel=build_rope_write_attention_kernel())
+    got = layer.o_proj(out.reshape(len(rows), 1, -1))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.keys[0], reference_keys, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cache.values[0], reference_values, rtol=0, atol=0)
+        return
+    # bfloat16: torch rounds each elementwise result to nearest, the interpreter toward zero
+    # (CUDA's Triton to nearest), so a rotated key may differ in its last bits
+    assert torch.equal(cache.values[0], reference_values)
+    torch.testing.assert_close(cache.keys[0].float(), reference_keys.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.03)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["one-key-head-per-query-head", "grouped"])
-def test_the_kernel_computes_what_sdpa_over_the_ranges_mask_computes(kv_heads):
+@pytest.mark.parametrize("kv_heads,dtype", [(4, "float32"), (2, "float32"), (4, "bfloat16")],
+                         ids=["one-key-head-per-query-head", "grouped", "bfloat16"])
+def test_the_kernel_computes_what_the_attention_layer_computes(kv_heads, dtype):
     pytest.importorskip("triton")  # scripts/setup installs it with the test extra
     # a process of its own: the interpreter mode must be on before Triton is first imported
-    run = subprocess.run(
-        [sys.executable, "-c", "from tests.engines.minicpmo.test_range_attention import "
-                               f"check_kernel_against_sdpa; check_kernel_against_sdpa({kv_heads})"],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=300)
+    code = ("import torch; from tests.engines.minicpmo.test_range_attention import "
+            f"check_kernel_against_the_layer as check; check({kv_heads}, torch.{dtype})")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def test_off_cuda_two_range_attention_is_the_reference():
+def test_off_cuda_the_layer_attends_over_the_ranges_mask():
     generator = torch.Generator().manual_seed(3)
     keys = torch.randn(3, 2, 40, 8, generator=generator)
     values = torch.randn(3, 2, 40, 8, generator=generator)
     q = torch.randn(2, 2, 1, 8, generator=generator)
     rows, ranges = torch.tensor([2, 1]), torch.tensor([[5, 20, 31], [1, 0, 0]])
-    visible = ranges_mask(ranges, 40)
+    visible = torch.zeros(2, 1, 1, 40, dtype=torch.bool)
+    visible[0, ..., :5] = visible[0, ..., 20:31] = visible[1, ..., 0] = True
     want = torch.nn.functional.scaled_dot_product_attention(q, keys[rows], values[rows],
                                                              attn_mask=visible)
-    torch.testing.assert_close(two_range_attention(q, keys, values, rows, ranges), want)
+    torch.testing.assert_close(reference_two_range_attention(q, keys, values, rows, ranges), want)

@@ -119,7 +119,7 @@ def audio_visible_ranges(limit: torch.Tensor, past: torch.Tensor, text_len: torc
     """The keys :func:`audio_visibility` marks, as two ranges per row: [..., 3] of (a_end,
     b_start, b_end), row i seeing ``[0, a_end)`` (the released, written text and the tokens
     before it) and ``[b_start, b_end)`` (``[Ptts]`` when it is not hidden, then the audio up
-    to ``limit``), as :func:`~..model.range_attention.two_range_attention` reads them."""
+    to ``limit``), as :mod:`~..model.range_attention` reads them."""
     chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
                        cfg.streaming_audio_chunk_size, rounding_mode="floor")
     hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,

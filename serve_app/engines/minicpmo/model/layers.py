@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import (  # the math is transforme
 )
 
 from .names import ONE_QUERY_KERNELS
-from .range_attention import two_range_attention
+from .range_attention import reference_two_range_attention, rope_write_two_range_attention
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class StepInputs:
     ``block_mask``: FlexAttention's block mask of ``attend`` (:func:`visible_blocks`), built by
     the first layer that attends with flex and read by the others;
     ``ranges``: the keys ``attend`` marks as two ranges per row, [B, 3] (a_end, b_start, b_end;
-    :func:`~.range_attention.two_range_attention`), where a one-query step can give them.
+    :mod:`.range_attention`), where a one-query step can give them.
     """
 
     rows: torch.Tensor
@@ -138,6 +138,18 @@ class SlotAttention(nn.Module):
         # kernel over the fused weight (quantization.py)
         self.fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, S, H, D], k and v [B, S, Hkv, D], before the rotary embedding."""
+        batch, seq, _ = hidden.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.fused_qkv is not None:
+            qkv = self.fused_qkv(hidden).view(batch, seq, heads + 2 * kv_heads, dim)
+            return (qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads],
+                    qkv[:, :, heads + kv_heads:])
+        return (self.q_proj(hidden).view(batch, seq, heads, dim),
+                self.k_proj(hidden).view(batch, seq, kv_heads, dim),
+                self.v_proj(hidden).view(batch, seq, kv_heads, dim))
+
     def fuse_projections(self) -> None:
         """One matmul for q, k and v: their weights become views of one concatenated tensor
         (the checkpoint names and the memory stay as they are)."""
@@ -151,6 +163,14 @@ class SlotAttention(nn.Module):
                 keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
         batch, seq, _ = hidden.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        by_ranges = (seq == 1 and self.one_query_kernel == "visible_ranges"
+                     and step.ranges is not None)
+        if by_ranges and hidden.is_cuda:  # rotary, cache write and attention in one kernel
+            q, k, v = self._projections(hidden)
+            out = rope_write_two_range_attention(
+                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], keys, values, step.rows,
+                step.write_positions[:, 0], step.ranges)
+            return self.o_proj(out.reshape(batch, seq, -1))
         if self.fused_qkv is not None:
             qkv = self.fused_qkv(hidden).view(batch, seq, heads + 2 * kv_heads, dim)
             qk = qkv[:, :, :heads + kv_heads].transpose(1, 2)
@@ -159,15 +179,13 @@ class SlotAttention(nn.Module):
             qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
             q, k = qk[:, :heads], qk[:, heads:]
         else:
-            q = self.q_proj(hidden).view(batch, seq, heads, dim).transpose(1, 2)
-            k = self.k_proj(hidden).view(batch, seq, kv_heads, dim).transpose(1, 2)
-            v = self.v_proj(hidden).view(batch, seq, kv_heads, dim).transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in self._projections(hidden))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
         row_index = step.rows[:, None]
         keys[row_index, :, step.write_positions] = k.transpose(1, 2)
         values[row_index, :, step.write_positions] = v.transpose(1, 2)
-        if seq == 1 and self.one_query_kernel == "visible_ranges" and step.ranges is not None:
-            out = two_range_attention(q, keys, values, step.rows, step.ranges)
+        if by_ranges:
+            out = reference_two_range_attention(q, keys, values, step.rows, step.ranges)
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         span = step.attend.shape[-1]
         keys, values = keys[:, :, :span], values[:, :, :span]
@@ -191,8 +209,9 @@ def set_one_query_attention(model: nn.Module, kernel: str) -> None:
     """Choose how the decoders in ``model`` attend for one query per row (decode steps):
     ``sdpa`` (torch's fused kernels), ``matmul`` (:func:`one_query_attention`), ``flex``
     (:func:`flex_one_query_attention`: only the key blocks a row can see are read) or
-    ``visible_ranges`` (:func:`~.range_attention.two_range_attention`: only the keys a row
-    sees, where the step gives them as ranges; SDPA where it does not)."""
+    ``visible_ranges`` (:mod:`.range_attention`: only the keys a row sees, where the step gives
+    them as ranges, in one kernel with the rotary embedding and the cache write on CUDA; SDPA
+    where the step gives no ranges)."""
     if kernel not in ONE_QUERY_KERNELS:
         raise ValueError(f"one-query attention must be one of {ONE_QUERY_KERNELS}, not {kernel!r}")
     for module in model.modules():

@@ -1,20 +1,23 @@
 """Attention of one query per row over two ranges of that row's cache positions.
 
 An audio query of the TTS model sees the written, released part of the text (positions
-``0 .. a_end - 1``) and the audio so far (``b_start .. b_end - 1``: ``[Ptts]`` and every
-frame up to its own); the reserved text positions between them are never seen
-(docs/minicpmo.md, "Attention in the TTS model"). :func:`two_range_attention` reads exactly
-those keys: FlexAttention with a block mask reads whole 128-key blocks, so a row also reads
-the unwritten end of its text block, the 46 positions before ``[Ptts]`` and the end of its
-last audio block, about 1.4 times the keys it sees at a 10 s read.
+``0 .. a_end - 1``) and the audio so far (``b_start .. b_end - 1``: every frame up to its own);
+the reserved text positions between them are never seen (docs/minicpmo.md, "Attention in the
+TTS model"). FlexAttention with a block mask reads whole 128-key blocks, so a row also reads
+the unwritten end of its text block, the positions before the audio in its block and the end
+of its last audio block: about 1.4 times the keys it sees at a 10 s read.
 
-On CUDA it is a Triton kernel (one program per row and head, an online softmax in float32
-over tiles of :data:`KEY_TILE` keys, as FlashAttention's decode does); it reads the cache rows
-in place through the row's slot index, so no gathered copy of the rows' keys is made. On
-other devices it is SDPA over the mask the ranges describe (the reference the tests compare
-the kernel with, run by Triton's interpreter on the CPU). Hand-written: the two ranges per
-row are this model's visibility rule, which the decode kernels of FlashInfer and FlashAttention
-(one key prefix per row, or a page list) do not express without a paged cache.
+On CUDA, :func:`rope_write_two_range_attention` does a decode step's attention from the q/k/v
+projections on in one Triton kernel, one program per row and head: the rotary embedding of
+the query and the new key, the new key and value written into the cache, and an online
+softmax in float32 over tiles of :data:`KEY_TILE` keys of the two ranges, as FlashAttention's
+decode does; it reads the cache rows in place through the row's slot index (no gathered copy)
+and replaces the rotary, cache-write and attention kernels of every layer (eight launches)
+with one. Elsewhere the layers rotate, write and call
+:func:`reference_two_range_attention`: SDPA over the mask the ranges describe, the reference
+the tests compare the kernel with (Triton's interpreter runs it on the CPU). Hand-written: the
+two ranges per row are this model's visibility rule, which the decode kernels of FlashInfer and
+FlashAttention (one key prefix per row, or a page list) do not express without a paged cache.
 """
 
 from __future__ import annotations
@@ -38,93 +41,132 @@ def ranges_mask(ranges: torch.Tensor, key_count: int) -> torch.Tensor:
 
 def reference_two_range_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                   rows: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """:func:`two_range_attention` as SDPA over the rows' gathered keys and the ranges' mask."""
+    """Attention of one query per row, ``q`` [B, H, 1, D], over a layer's whole cache
+    ``keys``/``values`` [slots, Hkv, T, D], row i reading slot ``rows[i]`` at the positions
+    ``ranges`` [B, 3] (a_end, b_start, b_end) give: ``[0, a_end)`` and ``[b_start, b_end)``
+    (``a_end <= b_start``; an empty second range has ``b_end <= b_start``), as SDPA over the
+    rows' gathered keys and the ranges' mask. Returns [B, H, 1, D]."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     return F.scaled_dot_product_attention(q, keys[rows], values[rows],
                                           attn_mask=ranges_mask(ranges, keys.shape[2]),
                                           enable_gqa=heads != kv_heads)
 
 
-def two_range_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        rows: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """Attention of one query per row: ``q`` [B, H, 1, D]; ``keys``/``values`` a layer's whole
-    cache [slots, Hkv, T, D], of which row i reads slot ``rows[i]``; ``ranges`` [B, 3] int
-    (a_end, b_start, b_end): row i sees key positions ``[0, a_end)`` and ``[b_start, b_end)``
-    (``a_end`` >= 1, ``a_end <= b_start``; an empty second range has ``b_end <= b_start``).
-    Returns [B, H, 1, D] in ``q``'s dtype."""
-    if q.is_cuda:
-        return launch_two_range_kernel(_compiled_kernel(), q, keys, values, rows, ranges)
-    return reference_two_range_attention(q, keys, values, rows, ranges)
-
-
-def launch_two_range_kernel(kernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                            rows: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
-    """Run ``kernel`` (:func:`build_two_range_kernel`'s) over the rows; tensors on one device."""
-    batch, heads, _, dim = q.shape
-    kv_heads = keys.shape[1]
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.stride() != values.stride():
-        raise ValueError("keys and values must share one layout with contiguous head dims")
-    out = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)
-    ranges = ranges.to(torch.int32)
-    rows = rows.to(torch.int32)
-    kernel[(batch, heads)](
-        q, keys, values, out, rows, ranges,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        dim ** -0.5, GROUP=heads // kv_heads, DIM=dim, TILE=KEY_TILE, num_warps=KERNEL_WARPS)
+def rope_write_two_range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                                   values: torch.Tensor, rows: torch.Tensor,
+                                   write_positions: torch.Tensor, ranges: torch.Tensor,
+                                   kernel=None) -> torch.Tensor:
+    """A decode step's attention from the projections on, in one kernel: rotate the queries
+    ``q`` [B, H, D] and the keys ``k`` [B, Hkv, D] (transformers' rotary formula, rounded to the
+    cache's dtype after each operation as torch's elementwise kernels round), write ``k`` and
+    ``v`` [B, Hkv, D] into row i's slot ``rows[i]`` at ``write_positions[i]``, and attend over
+    the ``ranges`` (as :func:`reference_two_range_attention`; the new key is taken from
+    registers, not read back). ``cos``/``sin`` [B, D]; ``rows``, ``write_positions`` [B] and
+    ``ranges`` [B, 3] integer, contiguous. Returns [B, H, D]. ``kernel``: a
+    :func:`build_rope_write_attention_kernel` (default: compiled once, CUDA)."""
+    batch, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin),
+                         ("keys", keys), ("values", values)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if keys.stride() != values.stride() or cos.stride() != sin.stride():
+        raise ValueError("keys/values and cos/sin must share their layouts")
+    out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
+    (kernel or _compiled_kernel())[(batch, heads)](
+        q, k, v, cos, sin, keys, values, out, rows, write_positions, ranges,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), dim ** -0.5,
+        GROUP=heads // kv_heads, DIM=dim, TILE=KEY_TILE, num_warps=KERNEL_WARPS)
     return out
 
 
 @functools.cache
 def _compiled_kernel():
-    return build_two_range_kernel()
+    return build_rope_write_attention_kernel()
 
 
-def build_two_range_kernel():
+def build_rope_write_attention_kernel():
     """The Triton kernel (a new ``triton.jit`` function: Triton's interpreter runs it where
-    ``TRITON_INTERPRET=1`` was set before this call)."""
+    ``TRITON_INTERPRET=1`` was set before Triton was first imported)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def two_range_kernel(q_ptr, k_ptr, v_ptr, out_ptr, rows_ptr, ranges_ptr,
-                         stride_qb, stride_qh, stride_kslot, stride_kh, stride_kt, scale,
-                         GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr):
+    def rope_write_attention_kernel(
+            q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_k, cache_v, out_ptr, rows_ptr,
+            write_ptr, ranges_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
+            stride_vh, stride_cos, stride_slot, stride_head, stride_t, scale,
+            GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         heads = tl.num_programs(1)
+        kv_head = head // GROUP
+        cache_dtype = cache_k.dtype.element_ty
+        dims = tl.arange(0, DIM)
+        half = DIM // 2
+        # rotate_half(x)[d] = -x[d + D/2] for d < D/2, x[d - D/2] after
+        turned = tl.where(dims < half, dims + half, dims - half)
+        sign = tl.where(dims < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + row * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_cos + dims).to(tl.float32)
+
+        q_row = q_ptr + row * stride_qb + head * stride_qh
+        q = tl.load(q_row + dims).to(tl.float32)
+        q_turned = tl.load(q_row + turned).to(tl.float32) * sign
+        q = ((q * cos).to(cache_dtype).to(tl.float32)
+             + (q_turned * sin).to(cache_dtype).to(tl.float32)).to(cache_dtype).to(tl.float32)
+        k_row = k_ptr + row * stride_kb + kv_head * stride_kh
+        k_new = tl.load(k_row + dims).to(tl.float32)
+        k_turned = tl.load(k_row + turned).to(tl.float32) * sign
+        k_new = ((k_new * cos).to(cache_dtype).to(tl.float32)
+                 + (k_turned * sin).to(cache_dtype).to(tl.float32)).to(cache_dtype)
+        v_new = tl.load(v_ptr + row * stride_vb + kv_head * stride_vh + dims).to(cache_dtype)
+
         slot = tl.load(rows_ptr + row).to(tl.int64)
-        a_end = tl.load(ranges_ptr + row * 3)
-        b_start = tl.load(ranges_ptr + row * 3 + 1)
-        b_end = tl.load(ranges_ptr + row * 3 + 2)
+        written = tl.load(write_ptr + row).to(tl.int32)
+        base = slot * stride_slot + kv_head * stride_head
+        if head % GROUP == 0:  # one program per key/value head writes it
+            tl.store(cache_k + base + written.to(tl.int64) * stride_t + dims, k_new)
+            tl.store(cache_v + base + written.to(tl.int64) * stride_t + dims, v_new)
+
+        a_end = tl.load(ranges_ptr + row * 3).to(tl.int32)
+        b_start = tl.load(ranges_ptr + row * 3 + 1).to(tl.int32)
+        b_end = tl.load(ranges_ptr + row * 3 + 2).to(tl.int32)
         a_tiles = (a_end + TILE - 1) // TILE
         b_tiles = (tl.maximum(b_end - b_start, 0) + TILE - 1) // TILE
-        dims = tl.arange(0, DIM)
-        q = tl.load(q_ptr + row * stride_qb + head * stride_qh + dims).to(tl.float32)
-        base = slot * stride_kslot + (head // GROUP) * stride_kh
         m_i = tl.zeros([1], dtype=tl.float32) - 1.0e30
         l_i = tl.zeros([1], dtype=tl.float32)
         acc = tl.zeros([DIM], dtype=tl.float32)
-        # the first range's tiles, then the second's, in one loop
+        # the first range's tiles, then the second's, in one loop; the written position is
+        # left out here (another program may be writing it) and added from registers below
         for tile in range(0, a_tiles + b_tiles):
             in_first = tile < a_tiles
             start = tl.where(in_first, tile * TILE, b_start + (tile - a_tiles) * TILE)
             end = tl.where(in_first, a_end, b_end)
             offsets = start + tl.arange(0, TILE)
-            inside = offsets < end
-            where = base + offsets[:, None].to(tl.int64) * stride_kt + dims[None, :]
-            k = tl.load(k_ptr + where, mask=inside[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(k * q[None, :], axis=1) * scale
+            inside = (offsets < end) & (offsets != written)
+            where = base + offsets[:, None].to(tl.int64) * stride_t + dims[None, :]
+            keys = tl.load(cache_k + where, mask=inside[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(keys * q[None, :], axis=1) * scale
             scores = tl.where(inside, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new)
-            v = tl.load(v_ptr + where, mask=inside[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            vals = tl.load(cache_v + where, mask=inside[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * vals, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
+        sees_new = (written < a_end) | ((written >= b_start) & (written < b_end))
+        score = tl.sum(k_new.to(tl.float32) * q, axis=0) * scale
+        score = tl.where(sees_new, score, float("-inf"))
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(score - m_new)
+        acc = acc * alpha + p * v_new.to(tl.float32)
+        l_i = l_i * alpha + p
         out = acc / l_i
         tl.store(out_ptr + (row * heads + head) * DIM + dims, out.to(out_ptr.dtype.element_ty))
 
-    return two_range_kernel
+    return rope_write_attention_kernel
