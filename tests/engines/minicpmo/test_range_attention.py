@@ -114,9 +114,11 @@ def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype) -> None:
     want = layer(hidden, cos, sin, reference_keys, reference_values, step)
 
     q, k, v = layer._projections(hidden)
+    # the integer inputs as columns of one wider tensor, as the audio step's packed inputs are
+    packed = torch.cat([rows[:, None], written[:, None], ranges.flip(1), ranges], dim=1)
     out = rope_write_two_range_attention(
-        q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.keys[0], cache.values[0], rows,
-        written, ranges, kernel=build_rope_write_attention_kernel())
+        q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.keys[0], cache.values[0],
+        packed[:, 0], packed[:, 1], packed[:, 5:], kernel=build_rope_write_attention_kernel())
     got = layer.o_proj(out.reshape(len(rows), 1, -1))
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

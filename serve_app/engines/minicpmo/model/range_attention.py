@@ -63,7 +63,7 @@ def rope_write_two_range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     ``v`` [B, Hkv, D] into row i's slot ``rows[i]`` at ``write_positions[i]``, and attend over
     the ``ranges`` (as :func:`reference_two_range_attention`; the new key is taken from
     registers, not read back). ``cos``/``sin`` [B, D]; ``rows``, ``write_positions`` [B] and
-    ``ranges`` [B, 3] integer, contiguous. Returns [B, H, D]. ``kernel``: a
+    ``ranges`` [B, 3] integer (views of wider tensors too). Returns [B, H, D]. ``kernel``: a
     :func:`build_rope_write_attention_kernel` (default: compiled once, CUDA)."""
     batch, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -77,7 +77,8 @@ def rope_write_two_range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     (kernel or _compiled_kernel())[(batch, heads)](
         q, k, v, cos, sin, keys, values, out, rows, write_positions, ranges,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), dim ** -0.5,
+        cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), rows.stride(0),
+        write_positions.stride(0), ranges.stride(0), ranges.stride(1), dim ** -0.5,
         GROUP=heads // kv_heads, DIM=dim, TILE=KEY_TILE, num_warps=KERNEL_WARPS)
     return out
 
@@ -97,7 +98,8 @@ def build_rope_write_attention_kernel():
     def rope_write_attention_kernel(
             q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_k, cache_v, out_ptr, rows_ptr,
             write_ptr, ranges_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
-            stride_vh, stride_cos, stride_slot, stride_head, stride_t, scale,
+            stride_vh, stride_cos, stride_slot, stride_head, stride_t, stride_rows,
+            stride_write, stride_range_row, stride_range_end, scale,
             GROUP: tl.constexpr, DIM: tl.constexpr, TILE: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -124,16 +126,17 @@ def build_rope_write_attention_kernel():
                  + (k_turned * sin).to(cache_dtype).to(tl.float32)).to(cache_dtype)
         v_new = tl.load(v_ptr + row * stride_vb + kv_head * stride_vh + dims).to(cache_dtype)
 
-        slot = tl.load(rows_ptr + row).to(tl.int64)
-        written = tl.load(write_ptr + row).to(tl.int32)
+        slot = tl.load(rows_ptr + row * stride_rows).to(tl.int64)
+        written = tl.load(write_ptr + row * stride_write).to(tl.int32)
         base = slot * stride_slot + kv_head * stride_head
         if head % GROUP == 0:  # one program per key/value head writes it
             tl.store(cache_k + base + written.to(tl.int64) * stride_t + dims, k_new)
             tl.store(cache_v + base + written.to(tl.int64) * stride_t + dims, v_new)
 
-        a_end = tl.load(ranges_ptr + row * 3).to(tl.int32)
-        b_start = tl.load(ranges_ptr + row * 3 + 1).to(tl.int32)
-        b_end = tl.load(ranges_ptr + row * 3 + 2).to(tl.int32)
+        ends = ranges_ptr + row * stride_range_row
+        a_end = tl.load(ends).to(tl.int32)
+        b_start = tl.load(ends + stride_range_end).to(tl.int32)
+        b_end = tl.load(ends + 2 * stride_range_end).to(tl.int32)
         a_tiles = (a_end + TILE - 1) // TILE
         b_tiles = (tl.maximum(b_end - b_start, 0) + TILE - 1) // TILE
         m_i = tl.zeros([1], dtype=tl.float32) - 1.0e30
