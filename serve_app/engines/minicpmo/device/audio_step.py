@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 import torch
 
 from ..model.layers import FLEX_KEY_BLOCK, SlotKVCache, StepInputs, causal_attend
+from ..model.range_attention import ranges_mask
 from ..model.modeling import SpeechTokenModel, TTSConfig
 from .graphs import bucket_sizes, capture_per_bucket, shortest_span
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
@@ -96,6 +97,15 @@ def packed_columns(num_vq: int) -> int:
     return len(fields(AudioStepInputs)) - 1 + num_vq
 
 
+def _hidden_text_from(past: torch.Tensor, cfg: TTSConfig) -> torch.Tensor:
+    """The first reserved text position still hidden from an audio query at cache length
+    ``past``: 10 more are released every 50 audio positions (up to ``[Ptts]``, hidden with them)."""
+    chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
+                       cfg.streaming_audio_chunk_size, rounding_mode="floor")
+    return torch.clamp(chunks * cfg.streaming_text_chunk_size,
+                       max=cfg.streaming_text_reserved_len) + cfg.text_start
+
+
 def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor,
                      text_len: torch.Tensor, cfg: TTSConfig) -> torch.Tensor:
     """[B, T] keys an audio query may see (docs/minicpmo.md, "Attention in the TTS model").
@@ -103,10 +113,7 @@ def audio_visibility(keys: torch.Tensor, limit: torch.Tensor, past: torch.Tensor
     ``limit``: last visible position (causal); ``past``: cache length that decides how much
     reserved text is released; ``text_len``: L of the text mask.
     """
-    chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
-                       cfg.streaming_audio_chunk_size, rounding_mode="floor")
-    hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,
-                              max=cfg.streaming_text_reserved_len) + cfg.text_start
+    hidden_from = _hidden_text_from(past, cfg)
     keys = keys[None, :]
     in_text = keys < cfg.condition_length
     text_visible = (keys <= (text_len[:, None] + cfg.text_start)) | (keys == cfg.audio_bos_position)
@@ -120,10 +127,7 @@ def audio_visible_ranges(limit: torch.Tensor, past: torch.Tensor, text_len: torc
     b_start, b_end), row i seeing ``[0, a_end)`` (the released, written text and the tokens
     before it) and ``[b_start, b_end)`` (``[Ptts]`` when it is not hidden, then the audio up
     to ``limit``), as :mod:`~..model.range_attention` reads them."""
-    chunks = torch.div(past - cfg.streaming_text_reserved_len + cfg.streaming_audio_chunk_size - 1,
-                       cfg.streaming_audio_chunk_size, rounding_mode="floor")
-    hidden_from = torch.clamp(chunks * cfg.streaming_text_chunk_size,
-                              max=cfg.streaming_text_reserved_len) + cfg.text_start
+    hidden_from = _hidden_text_from(past, cfg)
     text_end = torch.minimum(torch.minimum(text_len + cfg.text_start + 1, hidden_from),
                              torch.clamp(limit + 1, max=cfg.audio_bos_position)).clamp(min=0)
     ptts_seen = hidden_from > cfg.audio_bos_position
@@ -148,15 +152,13 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
     position = x.position
     bos_ids = torch.full_like(position, cfg.audio_bos_token_id)
     embeds = torch.where(bos[:, None], tts.emb_text(bos_ids), tts.code_embedding(frames))[:, None]
-    keys = torch.arange(key_count or cache.max_positions + 1, device=device)
-    visible = audio_visibility(keys, position, position, x.text_len, cfg)
-    visible = torch.where(active[:, None], visible, keys[None, :] == 0)
-    # the same keys as ranges; inactive rows (0, 0, 0) -> (1, 0, 0): key 0 only
+    # the keys each row sees as two ranges (inactive rows (0, 0, 0) -> (1, 0, 0): key 0 only),
+    # and as the mask over the first key_count positions that the other kernels read
     ranges = audio_visible_ranges(position, position, x.text_len, cfg) * active[:, None]
     ranges = torch.cat([ranges[:, :1].clamp(min=1), ranges[:, 1:]], dim=1)
+    visible = ranges_mask(ranges, key_count or cache.max_positions + 1)
     write = torch.where(active, position, torch.full_like(position, cache.scratch_position))
-    step = StepInputs(rows, position[:, None], write[:, None], visible[:, None, None, :], contiguous,
-                      ranges=ranges)
+    step = StepInputs(rows, position[:, None], write[:, None], visible, contiguous, ranges=ranges)
     hidden = tts(embeds, cache, step)
     logits = tts.code_logits(hidden[:, -1])
     # (0.1, 0.3, 0.1, 0.3) built on device: no host copy may happen inside a CUDA graph

@@ -138,12 +138,18 @@ class SlotAttention(nn.Module):
         # kernel over the fused weight (quantization.py)
         self.fused_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def _fused_qkv_heads(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The fused projection as [B, S, H + 2 Hkv, D]: query heads, key heads, value heads."""
+        batch, seq, _ = hidden.shape
+        return self.fused_qkv(hidden).view(batch, seq, self.num_heads + 2 * self.num_kv_heads,
+                                           self.head_dim)
+
     def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, H, D], k and v [B, S, Hkv, D], before the rotary embedding."""
         batch, seq, _ = hidden.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.fused_qkv is not None:
-            qkv = self.fused_qkv(hidden).view(batch, seq, heads + 2 * kv_heads, dim)
+            qkv = self._fused_qkv_heads(hidden)
             return (qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads],
                     qkv[:, :, heads + kv_heads:])
         return (self.q_proj(hidden).view(batch, seq, heads, dim),
@@ -162,7 +168,7 @@ class SlotAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
         batch, seq, _ = hidden.shape
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         by_ranges = (seq == 1 and self.one_query_kernel == "visible_ranges"
                      and step.ranges is not None)
         if by_ranges and hidden.is_cuda:  # rotary, cache write and attention in one kernel
@@ -172,7 +178,7 @@ class SlotAttention(nn.Module):
                 step.write_positions[:, 0], step.ranges)
             return self.o_proj(out.reshape(batch, seq, -1))
         if self.fused_qkv is not None:
-            qkv = self.fused_qkv(hidden).view(batch, seq, heads + 2 * kv_heads, dim)
+            qkv = self._fused_qkv_heads(hidden)
             qk = qkv[:, :, :heads + kv_heads].transpose(1, 2)
             v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
             # transformers' rotary formula, applied to queries and keys in one pass
