@@ -44,9 +44,11 @@ from loadtest.bench_serve import (
     replay_schedule,
 )
 from loadtest.cluster_demo import replica_states
+from loadtest.gpu_meter import gpu_readings
 from loadtest.service import ROOT, start_service, stop_service
 
 WINDOW_S = 5.0
+GPU_EVERY_S = 5.0  # NVML readings of every GPU, this often
 POLICY = "serve_app.gpu.autoscaling:EngineQueuePolicy"
 
 
@@ -165,6 +167,7 @@ class StatePoller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.t0 = time.time()
+        self._next_gpu_t_s = 0.0
 
     def start(self) -> StatePoller:
         self._thread.start()
@@ -182,6 +185,9 @@ class StatePoller:
             except Exception as exc:  # a slow controller must not end the record
                 sample["error"] = type(exc).__name__
             sample.update(self._gauges())
+            if sample["t_s"] >= self._next_gpu_t_s:
+                sample["gpus"] = gpu_readings()
+                self._next_gpu_t_s = sample["t_s"] + GPU_EVERY_S
             self.samples.append(sample)
             self._stop.wait(1.0)
 
@@ -280,7 +286,8 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
             "queued": max((s.get("queued", 0.0) for s in window), default=0.0),
             "slot_occupancy": max((s.get("slot_occupancy", 0.0) for s in window), default=0.0),
             "streams_started": len(starts), "ttfb_ms_p50": percentile(ttfbs, 50),
-            "ttfb_ms_p99": percentile(ttfbs, 99)})
+            "ttfb_ms_p99": percentile(ttfbs, 99),
+            "gpus": next((s["gpus"] for s in reversed(window) if s.get("gpus")), [])})
     total = [s for s in samples if "states" in s]
     decisions = scale_decisions(log_text, load_t0_s)
     decided = next((d["t_s"] for d in decisions if d["action"] == "upscaling"),
@@ -328,7 +335,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = result["replicas_timeline"]
     t = [r["t_s"] for r in rows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    gpus = sorted({g["index"] for r in rows for g in r.get("gpus", [])})
+    fig, axes = plt.subplots(3 if gpus else 2, 1, figsize=(10, 10 if gpus else 7), sharex=True)
+    top, bottom = axes[0], axes[1]
     top.step(t, [r["replicas"] for r in rows], where="post", label="running replicas")
     top.step(t, [r["starting"] for r in rows], where="post", label="starting")
     top.set_ylabel("Synthesizer replicas")
@@ -344,6 +353,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     bottom.set(xlabel="seconds since the load started", ylabel="TTFB (ms)",
                title=f"{result['gpu']}: {result['policy']}")
     bottom.legend()
+    if gpus:
+        memory = axes[2].twinx()
+        for index in gpus:
+            readings = [(r["t_s"], g) for r in rows for g in r.get("gpus", [])
+                        if g["index"] == index]
+            axes[2].plot([t for t, _ in readings], [g["utilization_percent"] for _, g in readings],
+                         label=f"GPU {index} utilization %")
+            memory.plot([t for t, _ in readings], [g["memory_used_gib"] for _, g in readings],
+                        "--", label=f"GPU {index} memory GiB")
+        axes[2].set(xlabel="seconds since the load started", ylabel="utilization %")
+        memory.set_ylabel("memory used (GiB)")
+        axes[2].legend(loc="upper left")
+        memory.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -62,3 +62,18 @@ def test_a_run_is_read_into_a_timeline_with_its_scale_events() -> None:
     assert result["second_replica_ready_s"] == 17.5
     assert result["cut_streams"] == 1 and result["failed_streams"] == 0
     assert result["ttfb_ms_p99_during_scale_up"] > 300 > result["ttfb_ms_p99_after_ready"]
+
+
+def test_gpu_readings_land_in_their_window() -> None:
+    args = parse_args(["--peak-streams", "10", "--ramp-up-s", "5", "--hold-s", "10",
+                       "--ramp-down-s", "5", "--low-s", "5"])
+    reading = [{"index": 0, "memory_used_gib": 70.5, "memory_total_gib": 79.6,
+                "utilization_percent": 93.0},
+               {"index": 1, "memory_used_gib": 0.5, "memory_total_gib": 79.6,
+                "utilization_percent": 0.0}]
+    samples = [{"t_s": t, "states": {"RUNNING": 1}, **({"gpus": reading} if t == 6 else {})}
+               for t in range(0, 15)]
+    result = summarize([], samples, 0.0, 0.0, args)
+    windows = {row["t_s"]: row["gpus"] for row in result["replicas_timeline"]}
+    assert windows[5.0] == reading  # the window that holds the reading
+    assert windows[0.0] == [] and windows[10.0] == []
