@@ -4,7 +4,8 @@ a PodMonitor for Prometheus.
 
     .venv/bin/python -m scripts.write_rayservices            # rewrite deploy/kuberay/*.yaml
     .venv/bin/python -m scripts.write_rayservices --check    # exit 1 where a file differs
-    .venv/bin/python -m scripts.write_rayservices --image registry.example.com/tts:1   # your image
+    .venv/bin/python -m scripts.write_rayservices --image registry.example.com/tts:0.1.0 \
+        --out my-deploy/                                     # your image, into a folder of yours
 
 Every value comes from the profile or from a named constant here: the GPU group's min/max from
 the Synthesizer's autoscaling bounds, idle timeouts from Serve's downscale delays, the CPU group
@@ -29,7 +30,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "deploy" / "kuberay"
 GPU_LOCK = ROOT / "requirements" / "minicpmo+cpu-voice+quant+gpu.txt"
-DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 
 # Real-time mp3 streams one core of Ingress carries. mp3 is the API's default format and the
 # costliest streamed one but opus: StreamEncoder spends ~33 ms of CPU per second of 24 kHz mp3
@@ -49,7 +49,9 @@ HEAD_POD_MEMORY_GIB = 16
 # Where the voice store's shared volume is mounted; api.voice_store is set to it.
 VOICE_STORE_MOUNT = "/mnt/voices"
 VOICE_STORE_CLAIM = "tts-voices"
-VOICE_STORE_SIZE = "20Gi"  # a voice is a few hundred KB of embedding: room for tens of thousands
+# A voice is its clip (FLAC, <= 30 s) and the engine's float32 embeddings of it: megabytes.
+# Size the claim to API keys x api.max_voices_per_key of them.
+VOICE_STORE_SIZE = "20Gi"
 SERVE_PORT = 8000
 # Ray's Prometheus export on every node (docs/operations.md, "Metrics and dashboard").
 METRICS_PORT = 8080
@@ -353,7 +355,7 @@ def render(document: dict[str, Any], header: list[str]) -> str:
     return "".join(f"# {line}\n" if line else "#\n" for line in lines) + body
 
 
-def manifests(image: str) -> dict[Path, str]:
+def manifests(image: str, out_dir: Path = OUT_DIR) -> dict[Path, str]:
     """Every file this writes, by path, with its text."""
     files = {}
     for profile in GPU_PROFILES:
@@ -361,12 +363,12 @@ def manifests(image: str) -> dict[Path, str]:
         header = [f"KubeRay 1.7 RayService for {profile.serve_config}; "
                   f"kubectl apply -f deploy/kuberay/{VOICE_STORE_CLAIM}.yaml -f "
                   f"deploy/kuberay/{profile.manifest}", "", *notes]
-        files[OUT_DIR / profile.manifest] = render(manifest, header)
-    files[OUT_DIR / f"{VOICE_STORE_CLAIM}.yaml"] = render(voice_store_claim(), [
+        files[out_dir / profile.manifest] = render(manifest, header)
+    files[out_dir / f"{VOICE_STORE_CLAIM}.yaml"] = render(voice_store_claim(), [
         "The voice store every Ingress and Synthesizer pod mounts at " + VOICE_STORE_MOUNT + ".",
         "Needs a storage class that offers ReadWriteMany (NFS, EFS, Filestore, CephFS): set",
         "spec.storageClassName to yours, or the cluster's default class is asked."])
-    files[OUT_DIR / "podmonitor.yaml"] = render(pod_monitor(), [
+    files[out_dir / "podmonitor.yaml"] = render(pod_monitor(), [
         "Prometheus Operator: scrape Ray's export (" + str(METRICS_PORT) + ") and HAProxy's ("
         + str(HAPROXY_METRICS_PORT) + ") on every Ray pod.",
         "Without the operator the pods' prometheus.io/scrape annotations say the same."])
@@ -378,12 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", default=default_image(),
                         help="the image deploy/Dockerfile was built and pushed as "
                              "(default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=OUT_DIR,
+                        help="the folder to write (default: deploy/kuberay, the tested files)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a file differs from what would be written")
     args = parser.parse_args(argv)
     stale = []
-    for path, text in manifests(args.image).items():
-        relative = path.relative_to(ROOT)
+    for path, text in manifests(args.image, args.out.resolve()).items():
+        relative = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         if args.check:
             if not path.is_file() or path.read_text() != text:
                 stale.append(str(relative))
