@@ -66,10 +66,15 @@ def crd_schema(version: str = "v1") -> dict[str, Any]:
     return served["schema"]["openAPIV3Schema"]
 
 
+@functools.cache
+def closed_crd_schema() -> dict[str, Any]:
+    return closed(crd_schema())
+
+
 def schema_problems(manifest: dict[str, Any], schema: dict[str, Any] | None = None) -> list[str]:
     """Where ``manifest`` breaks the CRD's schema, unknown fields refused unless a schema is
     given (the CRD's own, open one, to show what closing it adds)."""
-    validator = jsonschema.Draft202012Validator(schema or closed(crd_schema()))
+    validator = jsonschema.Draft202012Validator(schema or closed_crd_schema())
     return [f"{'.'.join(map(str, error.absolute_path)) or '<root>'}: {error.message}"
             for error in validator.iter_errors(manifest)]
 
