@@ -7,7 +7,7 @@ commit, each with the Synthesizer fixed at its own replica count, joined into on
         --arrivals poisson --refine-step 0 \\
         --deployment-option Synthesizer.num_replicas=2 --out two.json
     python3 -m loadtest.replica_capacity one.json two.json --gpus 2 \\
-        --out docs/benchmarks/served-2gpu.json
+        --engine-results engine.json --out docs/benchmarks/served-2gpu.json
 
 It writes the largest real-time level per replica count (``max_realtime_streams``, keyed
 ``one_replica``, ``two_replicas``, ...), their ratio, every run's sweep rows (each row with its
@@ -23,6 +23,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from loadtest.bench_serve import engine_part
 
 COUNT_WORDS = {1: "one_replica", 2: "two_replicas", 3: "three_replicas", 4: "four_replicas"}
 # An Ingress replica reserves one CPU (serve_config.yaml); sized to run at this share of it, as
@@ -58,7 +60,8 @@ def front_per_1000_streams(row: dict[str, Any]) -> dict[str, Any]:
             "format": "pcm 24 kHz (no encoding: mp3 costs about 33 ms of CPU per audio second)"}
 
 
-def join(runs: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
+def join(runs: list[dict[str, Any]], gpus: int,
+         engine: dict[str, Any] | None = None) -> dict[str, Any]:
     if len({r["gpu"] for r in runs}) != 1 or len({r["git_commit"] for r in runs}) != 1:
         raise SystemExit("refusing to join runs of different GPUs or commits")
     by_count = {synthesizer_replicas(run): run for run in runs}
@@ -85,7 +88,9 @@ def join(runs: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
             "commands": [run["command"] for _, run in sorted(by_count.items())],
             "rule": runs[0]["rule"], "max_realtime_streams": best,
             f"{COUNT_WORDS.get(most, f'{most}_replicas')}_over_one_replica": ratio,
-            "cpu_per_process": cpu, "front_sizing": front, "sweep": sweep}
+            "cpu_per_process": cpu, "front_sizing": front,
+            # one GPU's engine alone in the same lease, beside the served figures
+            "engine_one_gpu": engine, "sweep": sweep}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench_serve JSONs, one per count")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs of the machine they ran on")
+    parser.add_argument("--engine-results", type=Path, default=None,
+                        help="bench_engine.py's JSON from one GPU of the same machine")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    result = join([json.loads(path.read_text()) for path in args.runs], args.gpus)
+    result = join([json.loads(path.read_text()) for path in args.runs], args.gpus,
+                  engine_part(args.engine_results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "sweep"}, indent=2))
