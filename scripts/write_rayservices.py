@@ -193,8 +193,8 @@ def _pod(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, 
 # HAProxy answers GET /-/healthz on the serve port: 200 "success" while one of its backends (an
 # Ingress replica) is up, 503 when none is or the node drains (ray/serve/_private/
 # haproxy_templates.py). Not on the head: KubeRay deploys serveConfigV2 only once the head pod
-# is ready, and HAProxy starts with the app, so such a probe would never pass; KubeRay checks the
-# head's proxy itself and keeps the head out of the serve Service here anyway.
+# is ready, and HAProxy starts with the app, so such a probe would never pass; KubeRay places the
+# head in the serve Service by itself (here: out of it, excludeHeadPodFromServeSvc).
 READINESS_PROBE = {
     "httpGet": {"path": "/-/healthz", "port": "serve"},
     "periodSeconds": 5,

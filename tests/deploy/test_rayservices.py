@@ -252,7 +252,7 @@ def test_a_container_without_haproxy_fails(manifest: dict[str, Any]) -> None:
 def test_workers_are_ready_when_haproxy_says_so(manifest: dict[str, Any]) -> None:
     assert checks.readiness_problems(manifest) == []
     head = checks.ray_container(checks.cluster(manifest)["headGroupSpec"])
-    assert "readinessProbe" not in head  # KubeRay checks the head's proxy itself
+    assert "readinessProbe" not in head  # it would hold back the deploy that starts HAProxy
 
 
 def test_the_probed_path_and_haproxys_metrics_port_are_ray_2_60s() -> None:
