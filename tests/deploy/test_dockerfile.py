@@ -55,13 +55,14 @@ def parse_copy(arguments: str) -> tuple[list[str], str]:
     return paths[:-1], paths[-1]
 
 
-def copies() -> list[tuple[list[str], str]]:
-    return [parse_copy(arguments) for keyword, arguments in instructions() if keyword == "COPY"]
+def copies(dockerfile: Path = DOCKERFILE) -> list[tuple[list[str], str]]:
+    return [parse_copy(arguments) for keyword, arguments in instructions(dockerfile)
+            if keyword == "COPY"]
 
 
-def runs_after_workdir() -> list[str]:
+def runs_after_workdir(dockerfile: Path = DOCKERFILE) -> list[str]:
     steps, seen_workdir = [], False
-    for keyword, arguments in instructions():
+    for keyword, arguments in instructions(dockerfile):
         seen_workdir = seen_workdir or keyword == "WORKDIR"
         if keyword == "RUN" and seen_workdir:
             steps.append(arguments)
@@ -74,30 +75,80 @@ def lock_header(name: str) -> str:
     return found.group(1)
 
 
-def test_the_base_image_is_the_locked_ray_on_a_python_the_project_supports() -> None:
-    (base,) = [arguments for keyword, arguments in instructions() if keyword == "FROM"]
-    tag = BASE_IMAGE.match(base)
-    assert tag, base
-    assert tag["ray"] == writer.locked_version("ray") == "2.60.0"
+def base_image_problems(dockerfile: Path = DOCKERFILE) -> list[str]:
+    """The FROM is Ray's GPU image of the locked Ray, on a Python the project supports."""
+    bases = [arguments for keyword, arguments in instructions(dockerfile) if keyword == "FROM"]
+    tag = BASE_IMAGE.match(bases[0]) if len(bases) == 1 else None
+    if tag is None:
+        return [f"FROM {bases}: not one rayproject/ray:<ray>-py3<minor>-gpu"]
+    problems = []
+    if tag["ray"] != writer.locked_version("ray"):
+        problems.append(f"Ray {tag['ray']} in the tag, {writer.locked_version('ray')} locked")
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
-    assert f"{tag['major']}.{tag['minor']}" in SpecifierSet(requires)
+    if f"{tag['major']}.{tag['minor']}" not in SpecifierSet(requires):
+        problems.append(f"Python {tag['major']}.{tag['minor']} is outside {requires}")
+    return problems
+
+
+def install_problems(dockerfile: Path = DOCKERFILE) -> list[str]:
+    """The GPU lock installed hash-checked, torch at the version the lock was made for."""
+    steps = " ".join(runs_after_workdir(dockerfile))
+    lock = re.escape(str(writer.GPU_LOCK.relative_to(ROOT)))
+    problems = []
+    if not re.search(rf"pip install [^&]*--require-hashes [^&]*-r \"?{lock}", steps):
+        problems.append("the GPU lock is not installed with --require-hashes")
+    if re.findall(r"torch==([\w.+]+)", steps) != [lock_header("cpu-torch")]:
+        problems.append(f"torch is not pinned once to the lock's {lock_header('cpu-torch')}")
+    return problems
+
+
+def copy_problems(dockerfile: Path = DOCKERFILE) -> list[str]:
+    """Every COPY source exists and the build context (the .dockerignore) lets it in."""
+    allowed = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
+               if line.startswith("!")}
+    sources = [source for sources, _ in copies(dockerfile) for source in sources]
+    problems = [] if sources else ["no COPY"]
+    for source in sources:
+        if not (ROOT / source).exists():
+            problems.append(f"{source} does not exist")
+        if source.rstrip("/") not in allowed:
+            problems.append(f"{source} is left out by {DOCKERIGNORE.name}")
+    return problems
+
+
+def test_the_base_image_is_the_locked_ray_on_a_python_the_project_supports() -> None:
+    assert base_image_problems() == []
+    assert writer.locked_version("ray") == "2.60.0"
 
 
 def test_the_lock_is_installed_hash_checked_and_torch_at_the_locks_version() -> None:
-    steps = " ".join(runs_after_workdir())
-    lock = writer.GPU_LOCK.relative_to(ROOT)
-    assert re.search(rf"pip install [^&]*--require-hashes [^&]*-r \"?{re.escape(str(lock))}", steps)
-    assert re.findall(r"torch==([\w.+]+)", steps) == [lock_header("cpu-torch")]
+    assert install_problems() == []
 
 
 def test_every_copied_path_exists_and_is_in_the_build_context() -> None:
-    allowed = {line[1:].rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
-               if line.startswith("!")}
-    sources = [source for sources, _ in copies() for source in sources]
-    assert sources, "no COPY"
-    for source in sources:
-        assert (ROOT / source).exists(), source
-        assert source.rstrip("/") in allowed, f"{source} is left out by {DOCKERIGNORE.name}"
+    assert copy_problems() == []
+
+
+BROKEN_COPIES = {
+    "another Ray": ("ray:2.60.0-py312", "ray:2.59.0-py312", base_image_problems),
+    "an unsupported Python": ("-py312-gpu", "-py310-gpu", base_image_problems),
+    "no hash check": ("--require-hashes ", "", install_problems),
+    "another torch": ("torch==2.13.0", "torch==2.12.0", install_problems),
+    "a missing path": ('["serve_app/", "serve_app/"]', '["serve_ap/", "serve_app/"]',
+                       copy_problems),
+    "a path outside the context": ('["serve_app/", "serve_app/"]', '["scripts/", "scripts/"]',
+                                   copy_problems),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_COPIES))
+def test_each_check_fails_on_a_broken_copy(broken: str, tmp_path: Path) -> None:
+    old, new, check = BROKEN_COPIES[broken]
+    text = DOCKERFILE.read_text()
+    assert old in text
+    copy = tmp_path / "Dockerfile"
+    copy.write_text(text.replace(old, new))
+    assert check(copy) != [], broken
 
 
 def test_the_serve_configs_import_paths_are_in_what_it_copies() -> None:

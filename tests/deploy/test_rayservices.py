@@ -79,6 +79,14 @@ def test_the_committed_files_are_what_the_script_writes() -> None:
     assert not stale, f"rerun: .venv/bin/python -m scripts.write_rayservices ({stale})"
 
 
+def test_the_scripts_check_fails_where_a_file_differs(tmp_path: Path) -> None:
+    assert writer.main(["--check", "--out", str(tmp_path)]) == 1  # nothing written yet
+    assert writer.main(["--out", str(tmp_path)]) == 0
+    assert writer.main(["--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "rayservice.yaml").write_text("# edited by hand\n")
+    assert writer.main(["--check", "--out", str(tmp_path)]) == 1
+
+
 def expected_serve_config(shipped_config: dict[str, Any]) -> dict[str, Any]:
     """The shipped config with the one change the script makes."""
     expected = copy.deepcopy(shipped_config)
