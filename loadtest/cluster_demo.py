@@ -225,12 +225,17 @@ def settled_at_one(recorder: Recorder) -> bool:
 
 def deploy(config_path: Path, port: int) -> None:
     """What ``serve deploy`` does, from this driver: start Serve and submit the config."""
+    config_dict = yaml.safe_load(config_path.read_text())
+    config_dict.setdefault("http_options", {})["port"] = port
+    deploy_config(config_dict)
+
+
+def deploy_config(config_dict: dict[str, Any]) -> None:
+    """Start Serve (its HTTP options from the config) and submit the config's applications."""
     from ray.serve._private.api import serve_start
     from ray.serve.config import gRPCOptions
     from ray.serve.schema import ServeDeploySchema
 
-    config_dict = yaml.safe_load(config_path.read_text())
-    config_dict.setdefault("http_options", {})["port"] = port
     config = ServeDeploySchema.model_validate(config_dict)
     client = serve_start(http_options=config.http_options.model_dump(),
                          proxy_location=config.proxy_location,

@@ -134,6 +134,7 @@ class LocalCluster:
         default_factory=lambda: [{"gpu_like": 1.0}, {"gpu_like": 1.0}])
     object_store_bytes: int = 100 * 1024 * 1024
     start_timeout_s: float = 180.0
+    include_dashboard: bool = False  # `serve deploy` talks to it; else it only costs CPU
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -145,6 +146,7 @@ class LocalCluster:
         self.token_path.write_text(secrets.token_hex(32))
         self.token_path.chmod(0o600)
         self.gcs_port = 0
+        self.dashboard_port = 0
 
     @property
     def address(self) -> str:
@@ -176,17 +178,25 @@ class LocalCluster:
 
     def _start_head(self) -> None:
         def args() -> list[str]:
-            (self.gcs_port, node_manager, object_manager, client_server, dashboard, agent_http,
-             agent_grpc, runtime_env_agent, metrics) = free_ports(9)
+            (self.gcs_port, node_manager, object_manager, client_server, self.dashboard_port,
+             agent_http, agent_grpc, runtime_env_agent, metrics) = free_ports(9)
             return [
                 "--head", "--port", str(self.gcs_port), "--temp-dir", str(self.temp_dir),
-                "--num-cpus", str(self.head_cpus), "--include-dashboard", "false",
-                "--dashboard-port", str(dashboard), "--ray-client-server-port", str(client_server),
+                "--num-cpus", str(self.head_cpus),
+                "--include-dashboard", str(self.include_dashboard).lower(),
+                "--dashboard-port", str(self.dashboard_port),
+                "--ray-client-server-port", str(client_server),
                 *self._node_ports(node_manager, object_manager, agent_http, agent_grpc,
                                   runtime_env_agent, metrics),
+                *self._head_extra_args(),
             ]
 
         self._start_node("head", args)
+
+    def _head_extra_args(self) -> list[str]:
+        """More ``ray start`` options for the head (a subclass's; called once its ports are
+        chosen)."""
+        return []
 
     def _start_worker(self, index: int, resources: dict[str, float]) -> None:
         def args() -> list[str]:

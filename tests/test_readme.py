@@ -400,7 +400,9 @@ def current_table() -> list[dict[str, str]]:
 
 def test_benchmarks_hold_the_current_results_at_fixed_names():
     top = {path.name for path in BENCHMARKS.glob("*.json")}
-    assert len(top) <= 15, f"{len(top)} JSON files in docs/benchmarks/: move the older to history/"
+    # 24, not 15: the fleet runs of issue 44 (autoscaler nodes, node loss, upgrade) are named
+    # at the top level by the issue, beside the GPU results.
+    assert len(top) <= 24, f"{len(top)} JSON files in docs/benchmarks/: move the older to history/"
     rows = current_table()
     assert [*rows[0]] == ["what", "command", "commit", "GPU", "file"]
     in_table = {re.match(r"`([^`]+)`", row["file"]).group(1) for row in rows}
