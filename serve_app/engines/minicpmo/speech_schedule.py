@@ -233,11 +233,10 @@ class SpeechSchedule:
 
     def cut_at_break(self, piece: str, after: str) -> list[object] | None:
         """Streamed text stopped coming (``TextFeed.break_point``): add ``piece``, cut this
-        segment's text before the last ``after`` characters of its pieces, and speak it to its
-        end now; the rest (``after``, then the text that follows) starts the next segment, as
-        after a long text's cut. Returns the work, or None, with nothing changed, when there is
-        nothing new to speak, ``after`` is not where this segment's pieces end, or the cut would
-        change text already prefilled."""
+        segment's text before the last ``after`` characters of its pieces and speak it to its end
+        now; the rest starts the next segment, as after a long text's cut. Returns the work, or
+        None (nothing changed) when there is nothing new to speak, ``after`` is not where this
+        segment's pieces end, or the cut would change text already prefilled."""
         assert self.phase is Phase.WAITING_TEXT
         cut = cut_pieces(self.piece_log, self.gen_text, self.gen_text_raw, after, self.language)
         if cut is None:
@@ -336,8 +335,6 @@ class SpeechSchedule:
         segment_start = self.segment_started_fresh
         self.segment_started_fresh = False
         self.decoded_upto = len(self.segment_frames)
-        if not frames:
-            return [DecodeJob([], segment_start, last)]
         return [DecodeJob(frames, segment_start, last)]
 
     def _end_segment(self, allow_next: bool) -> list[object]:
@@ -360,14 +357,10 @@ class SpeechSchedule:
         self.left_to_speak = self.after_break and has_speakable_text(self.text_left)
         self.carry_chars = len(text)
         self.piece_log = []
-        self.gen_text = text + self.text_left
-        self.gen_text_raw = self.gen_text
-        self.text_left = ""
-        self.text_ids = list(carried_text)
-        self.pending_new_segment = False
-        self.in_tail = False
-        self.carried_segment = True
-        self.piece_in_segment = 0
+        self.gen_text = self.gen_text_raw = text + self.text_left
+        self.text_left, self.text_ids = "", list(carried_text)
+        self.pending_new_segment = self.in_tail = False
+        self.carried_segment, self.piece_in_segment = True, 0
         self.chunk_index = len(carried_text) // c.streaming_text_chunk_size
         self.segment_frames = [tuple(f) for f in carried_frames]
         self.finished_segments[-1] = list(self.finished_segments[-1])

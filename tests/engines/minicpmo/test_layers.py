@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_app.engines.minicpmo.model.layers import (
+from serve_app.engines.minicpmo.model.flex_attention import (
     flex_one_query_attention,
-    one_query_attention,
     visible_blocks,
 )
+from serve_app.engines.minicpmo.model.layers import one_query_attention
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(12, 12), (28, 4)])

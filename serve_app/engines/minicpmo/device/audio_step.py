@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from ..model.layers import FLEX_KEY_BLOCK, SlotKVCache, StepInputs, causal_attend
+from ..model.flex_attention import FLEX_KEY_BLOCK
+from ..model.layers import SlotKVCache, StepInputs, causal_attend
 from ..model.range_attention import ranges_mask
 from ..model.modeling import SpeechTokenModel, TTSConfig
 from .graphs import bucket_sizes, capture_per_bucket, shortest_span
