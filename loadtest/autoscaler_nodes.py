@@ -68,7 +68,7 @@ CUT_SHARE = 0.95  # a stream with less than this share of the text's audio was c
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/autoscaler_nodes",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peak-streams", type=int, default=4,
+    parser.add_argument("--peak-streams", type=int, default=8,
                         help="the ramp's peak, as real-time streams of the text (Little's law)")
     parser.add_argument("--low-streams", type=int, default=1)
     parser.add_argument("--ramp-up-s", type=float, default=20.0)
