@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from serve_app.config import AppArgs
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "deploy" / "kuberay"
 GPU_LOCK = ROOT / "requirements" / "minicpmo+cpu-voice+quant+gpu.txt"
@@ -76,9 +78,9 @@ class GpuProfile:
 
 
 # The GPU profiles, in one place: every serve_config*.yaml whose Synthesizer asks for a GPU must
-# be here (tests/deploy/test_rayservices.py checks). Pods: an H100 node has RAM to spare for the
-# 17 GB of weights loaded on the host first; an A10G node (g5.2xlarge: 8 vCPU, 32 GiB) leaves a
-# core and 4 GiB to the kubelet.
+# be here (tests/deploy/test_rayservices.py checks). Pods: 64 GiB on an H100 node holds the
+# replica, its engine process and the 17 GB checkpoint in the page cache while it loads; an A10G
+# node (g5.2xlarge: 8 vCPU, 32 GiB) leaves a core and 4 GiB to the kubelet.
 GPU_PROFILES = (
     GpuProfile("serve_config.yaml", "rayservice.yaml", "tts", 8, 64),
     GpuProfile("serve_config.chat.yaml", "rayservice.chat.yaml", "tts-chat", 8, 64),
@@ -120,8 +122,6 @@ def deployments_of(serve_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def engine_slots(serve_config: dict[str, Any]) -> int:
     """Streams one Synthesizer replica runs at once, as build_app derives them."""
-    from serve_app.config import AppArgs
-
     (app,) = serve_config["applications"]
     return AppArgs.model_validate(app["args"]).max_slots
 
