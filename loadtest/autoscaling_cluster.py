@@ -244,18 +244,26 @@ def node_launches(events: list[dict[str, Any]], node_type: str = GPU_WORKER_TYPE
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "serve_config.cluster_demo.yaml"
 APP_NAME = "tts"
 SYNTHESIZER = "Synthesizer"
+GRACEFUL_SHUTDOWN_S = 300  # serve_config.yaml's Synthesizer: the longest stream, 4096 characters
 
 
 def fleet_app_config(port: int, config_path: Path = DEMO_CONFIG) -> dict[str, Any]:
     """The demo config on ``port``, with the Ingress asking for the head's :data:`FRONT`
     resource: a worker node that dies then takes only Synthesizer replicas with it (on a real
-    cluster the Ingress goes to the head or a CPU node group)."""
+    cluster the Ingress goes to the head or a CPU node group); the Synthesizer drains as long as
+    a GPU profile's."""
     config = copy.deepcopy(yaml.safe_load(config_path.read_text()))
     config.setdefault("http_options", {})["port"] = port
     [app] = config["applications"]
     for deployment in app["deployments"]:
         if deployment["name"] == "Ingress":
             deployment.setdefault("ray_actor_options", {})["resources"] = {FRONT: 1}
+        if deployment["name"] == SYNTHESIZER:
+            # As the GPU profiles: a replica leaving waits out the longest stream. The demo's
+            # 60 s suits its ~15 s streams; these runs stream a minute of audio, and a draining
+            # replica on a busy 2-core machine took longer than 60 s over five of them (it was
+            # killed and cut them).
+            deployment["graceful_shutdown_timeout_s"] = GRACEFUL_SHUTDOWN_S
     return config
 
 
