@@ -12,9 +12,11 @@ a real raylet for it on this machine; an idle node past ``idle_timeout_minutes``
 Ray on this shared machine) and reads an ``example.yaml`` the Ray wheel does not ship. The
 provider is named as an ``external`` module instead, whose defaults are built into Ray.
 
-Every process of the cluster carries :data:`~loadtest.local_cluster.MARKER_ENV`; each node's
-processes also carry the node's id (``RAY_OVERRIDE_NODE_ID_FOR_TESTING``, set by the provider),
-so :meth:`AutoscalingLocalCluster.kill_node` can end one node's processes as a dead machine would.
+Every process of the cluster carries :data:`~loadtest.local_cluster.MARKER_ENV`, so stopping it
+ends the nodes the autoscaler started too. A worker node's raylet and agents also carry the
+node's id (``RAY_OVERRIDE_NODE_ID_FOR_TESTING``, set by the provider; Ray strips it from the
+workers they start): they and their descendants are the node, which
+:meth:`AutoscalingLocalCluster.kill_node` ends at once, as a dead machine would.
 """
 
 from __future__ import annotations
@@ -245,6 +247,7 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "serve_config.cluster_demo.y
 APP_NAME = "tts"
 SYNTHESIZER = "Synthesizer"
 GRACEFUL_SHUTDOWN_S = 300  # serve_config.yaml's Synthesizer: the longest stream, 4096 characters
+HEALTH_CHECK_TIMEOUT_S = 120  # Serve's default is 30 s
 
 
 def fleet_app_config(port: int, config_path: Path = DEMO_CONFIG) -> dict[str, Any]:
@@ -258,6 +261,10 @@ def fleet_app_config(port: int, config_path: Path = DEMO_CONFIG) -> dict[str, An
     for deployment in app["deployments"]:
         if deployment["name"] == "Ingress":
             deployment.setdefault("ray_actor_options", {})["resources"] = {FRONT: 1}
+            # Ray runs replicas at nice 15: on this 2-core machine, shared with other sessions'
+            # test runs (load average 40-60), the one Ingress went unanswered for three 30 s
+            # health checks in a row and Serve replaced it, cutting every stream through it.
+            deployment["health_check_timeout_s"] = HEALTH_CHECK_TIMEOUT_S
         if deployment["name"] == SYNTHESIZER:
             # As the GPU profiles: a replica leaving waits out the longest stream. The demo's
             # 60 s suits its ~15 s streams; these runs stream a minute of audio, and a draining
