@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import pickle
+import resource
 import socket
 import statistics
 import subprocess
@@ -55,6 +57,22 @@ def thread_cpu_s(thread: threading.Thread | None) -> float:
         return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
     except (OSError, ProcessLookupError):
         return 0.0
+
+
+def wire_end(fd: int):
+    """The object the measured tree's engine_wire reads and writes, over ``fd``: a
+    multiprocessing Connection before the wire framed its own messages, else the socket."""
+    from serve_app.gpu import engine_wire
+
+    (end,) = inspect.signature(engine_wire.receive).parameters.values()
+    if "Connection" in str(end.annotation):
+        return Connection(fd)
+    return socket.socket(fileno=fd)
+
+
+def minor_faults() -> int:
+    """Page faults this process took without I/O (fresh memory touched for the first time)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def named_thread(name: str) -> threading.Thread | None:
@@ -84,9 +102,11 @@ class StepEngine:
         self._steps_done = 0
         rng = np.random.default_rng(0)
         low, high = int(settings["samples"] * 0.9), int(settings["samples"] * 1.1)
-        # Audio as the decoder makes it: a fresh float32 array per chunk, sizes around --samples
-        self._pool = [rng.uniform(-0.5, 0.5, int(n)).astype(np.float32)
-                      for n in rng.integers(low, high, 64)]
+        self._sizes = [int(n) for n in rng.integers(low, high, 997)]
+        # The decoder's audio: a distinct array per chunk (views of one long signal, so making
+        # them costs nothing; pickle would send one array twice only once)
+        self._audio = rng.uniform(-0.5, 0.5, 4 * high * settings["chunks"]).astype(np.float32)
+        self._audio_at = 0
         self._stepper: threading.Thread | None = None
         self._started_s = self._finished_s = 0.0
         self._cpu_at_start: dict[str, float] = {}
@@ -99,7 +119,7 @@ class StepEngine:
             self._stepper.start()
 
     def _cpu_now(self) -> dict[str, float]:
-        return {"process": time.process_time(),
+        return {"process": time.process_time(), "minor_faults": minor_faults(),
                 "sender_thread": thread_cpu_s(named_thread("engine-sender"))}
 
     def _run_steps(self) -> None:
@@ -110,7 +130,6 @@ class StepEngine:
         self._cpu_at_start = self._cpu_now()
         self._started_s = next_s = time.perf_counter()
         cursor = 0
-        pool = self._pool
         for step in range(settings["steps"]):
             next_s += settings["step_period_s"]
             items: list[tuple[str, object]] = []
@@ -120,13 +139,13 @@ class StepEngine:
                 marked = index in (0, chunks - 1)  # the step's first and last chunk are timed
                 timings = {"ttfb_s": 0.01 * (index + 1)} if marked else {}
                 items.append((request_id, AudioChunk(
-                    request_id, pool[(step * 7 + index) % len(pool)], SAMPLE_RATE_HZ,
+                    request_id, self._samples(step * chunks + index), SAMPLE_RATE_HZ,
                     text="a few words " if index % 3 == 0 else "", timings_s=timings)))
             cursor += chunks
             for _ in range(settings["finals_per_step"]):
                 request_id = self._open.pop(cursor % len(self._open))
                 items.append((request_id, AudioChunk(
-                    request_id, pool[step % len(pool)][:2000], SAMPLE_RATE_HZ, final=True,
+                    request_id, self._samples(step)[:2000], SAMPLE_RATE_HZ, final=True,
                     timings_s={"total_s": 10.0, "tts_steps": 750.0},
                     usage=StreamUsage(40, 750))))
             for _ in range(settings["errors_per_step"]):
@@ -140,6 +159,13 @@ class StepEngine:
                        for request_id in self._open])
         self._open.clear()
         self._finished_s = time.perf_counter()
+
+    def _samples(self, index: int) -> np.ndarray:
+        size = self._sizes[index % len(self._sizes)]
+        if self._audio_at + size > len(self._audio):
+            self._audio_at = 0
+        self._audio_at += size
+        return self._audio[self._audio_at - size:self._audio_at]
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
         cpu_s = time.thread_time()
@@ -155,6 +181,7 @@ class StepEngine:
             "step_thread_sink_cpu_s": self._sink_cpu_s,
             "sender_thread_cpu_s": cpu["sender_thread"] - self._cpu_at_start["sender_thread"],
             "process_cpu_s": cpu["process"] - self._cpu_at_start["process"],
+            "minor_faults": cpu["minor_faults"] - self._cpu_at_start["minor_faults"],
         }))
 
     def abort(self, request_id: str) -> None:
@@ -177,7 +204,7 @@ def engine_side(fd: int, settings_json: str, report_path: str) -> None:
     from serve_app.gpu.engine_protocol import Start
 
     sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)
-    conn = Connection(fd)
+    conn = wire_end(fd)
     start = engine_wire.receive(conn)
     assert isinstance(start, Start), start
     engine = StepEngine(json.loads(settings_json), report_path)
@@ -203,15 +230,18 @@ def start_client(settings: dict[str, Any], report_path: str):
         [sys.executable, __file__, "--engine-side", str(theirs.fileno()), json.dumps(settings),
          report_path], pass_fds=[theirs.fileno()], env=env, close_fds=True)
     theirs.close()
-    conn = Connection(ours.detach())
+    conn = wire_end(ours.detach())
     engine_wire.send_message(conn, Start("bench-steps", {}))
     ready = engine_wire.receive(conn)
     assert isinstance(ready, Ready), ready
     return EngineClient(process, conn, ready.info)
 
 
-def onward():
-    """What Serve does with each item a replica yields (its default response serialization)."""
+def onward(how: str = "serve"):
+    """What Serve does with each item a replica yields (its default response serialization);
+    ``how="none"``: nothing, to see the relay's own cost."""
+    if how == "none":
+        return (lambda item: b""), "none"
     try:
         from ray import cloudpickle
         return cloudpickle.dumps, "ray.cloudpickle.dumps"
@@ -222,7 +252,7 @@ def onward():
 async def read_streams(client, settings: dict[str, Any]) -> dict[str, Any]:
     from serve_app.engines.base import RequestAbortedError, SpeechRequest
 
-    ship, _ = onward()
+    ship, _ = onward(settings["onward"])
     marks: list[tuple[float, float, float, float]] = []
     shipped = {"items": 0, "bytes": 0, "ended_by_error": 0}
 
@@ -242,6 +272,7 @@ async def read_streams(client, settings: dict[str, Any]) -> dict[str, Any]:
     requests = [SpeechRequest(f"s{index}", "x") for index in range(settings["streams"])]
     loop_cpu_s, process_cpu_s = time.thread_time(), time.process_time()
     reader_cpu_s = thread_cpu_s(client._reader)
+    faults = minor_faults()
     started_s = time.perf_counter()
     streams = await client.submit(requests)
     await asyncio.gather(*(read(stream) for stream in streams))
@@ -250,6 +281,7 @@ async def read_streams(client, settings: dict[str, Any]) -> dict[str, Any]:
         "loop_thread_cpu_s": time.thread_time() - loop_cpu_s,
         "reader_thread_cpu_s": thread_cpu_s(client._reader) - reader_cpu_s,
         "process_cpu_s": time.process_time() - process_cpu_s,
+        "minor_faults": minor_faults() - faults,
         "marks": marks, **shipped,
     }
 
@@ -289,6 +321,9 @@ def measure(settings: dict[str, Any]) -> dict[str, Any]:
             "replica_loop_thread": per_step(replica["loop_thread_cpu_s"]),
             "replica_process": per_step(replica["process_cpu_s"]),
         },
+        "minor_page_faults_per_step": {
+            "engine_process": round(engine["minor_faults"] / steps, 1),
+            "replica_process": round(replica["minor_faults"] / steps, 1)},
         # share of one core over the steps' wall time (the replica's 40-54 % on the H100)
         "replica_process_core_share": round(replica["process_cpu_s"] / engine["steps_wall_s"], 3),
         "engine_process_core_share": round(engine["process_cpu_s"] / engine["steps_wall_s"], 3),
@@ -342,6 +377,8 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_ms_per_step": {key: med(("cpu_ms_per_step", key))
                             for key in runs[0]["cpu_ms_per_step"]},
         "replica_process_core_share": med(("replica_process_core_share",)),
+        "minor_page_faults_per_step": {key: med(("minor_page_faults_per_step", key))
+                                       for key in runs[0]["minor_page_faults_per_step"]},
         "wall_ms_p50": {key: med(("wall_ms", key, "p50")) for key in runs[0]["wall_ms"]},
         "wall_ms_p99": {key: med(("wall_ms", key, "p99")) for key in runs[0]["wall_ms"]},
     }
@@ -368,13 +405,15 @@ def main() -> None:
     parser.add_argument("--errors-per-step", type=int, default=1)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-period-s", type=float, default=0.08)
+    parser.add_argument("--onward", choices=("serve", "none"), default="serve",
+                        help="per chunk read: serialize it as Serve would, or nothing")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--baseline-tree", help="a checkout of the commit to compare against")
     parser.add_argument("--out", help="JSON file (default: print only)")
     args = parser.parse_args()
     settings = {key: getattr(args, key) for key in (
         "streams", "chunks", "samples", "finals_per_step", "errors_per_step", "steps",
-        "step_period_s")}
+        "step_period_s", "onward")}
     this_tree = str(Path(__file__).resolve().parents[1])
     trees = {"this": this_tree}
     if args.baseline_tree:
@@ -386,13 +425,13 @@ def main() -> None:
             run = run_in(trees[name], settings)
             runs[name].append(run)
             print(f"{name} ({git_commit(trees[name])}) run {repeat + 1}: "
-                  f"{json.dumps({k: run[k] for k in ('cpu_ms_per_step', 'wall_ms')})}",
+                  f"{json.dumps({k: run[k] for k in ('cpu_ms_per_step', 'minor_page_faults_per_step', 'wall_ms')})}",
                   flush=True)
     result = {
         "what": "engine -> replica hop on the CPU (scripts/bench_engine_wire.py)",
         "settings": settings,
         "cpu": os.cpu_count(), "python": sys.version.split()[0], "numpy": np.__version__,
-        "onward": onward()[1],
+        "onward": onward(args.onward)[1],
         "int16_conversion_ms_per_step": int16_cost_ms(settings),
         "trees": {name: {"commit": git_commit(tree), "summary": summary(runs[name]),
                          "runs": runs[name]} for name, tree in trees.items()},

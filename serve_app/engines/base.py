@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import pickle
 import weakref
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Literal, Protocol, Sequence
+from typing import AsyncIterator, Callable, Literal, Protocol, Sequence, SupportsIndex
 
 import numpy as np
 
@@ -128,6 +129,25 @@ class AudioChunk:
     @property
     def duration_s(self) -> float:
         return len(self.samples) / float(self.sample_rate_hz)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
+        """Pickled as its fields with the samples as one float32 buffer (protocol 5: a
+        ``PickleBuffer``, out of band where the pickler takes buffers, as the engine process's
+        wire does): a third of the work of pickling the dataclass with its array, paid per
+        chunk on the engine's step thread and at every hop."""
+        samples = np.ascontiguousarray(self.samples, dtype=np.float32).reshape(-1)
+        return (_chunk_from_fields, (
+            self.request_id, pickle.PickleBuffer(samples) if protocol >= 5 else samples,
+            self.sample_rate_hz, self.text, self.final, self.timings_s, self.usage))
+
+
+def _chunk_from_fields(request_id: str, samples: object, sample_rate_hz: int, text: str,
+                       final: bool, timings_s: dict[str, float],
+                       usage: StreamUsage | None) -> AudioChunk:
+    """An AudioChunk from what :meth:`AudioChunk.__reduce_ex__` pickled (its samples a view of
+    the buffer unpickled, so writable where that is)."""
+    return AudioChunk(request_id, np.frombuffer(samples, np.float32), sample_rate_hz, text,
+                      final, timings_s, usage)
 
 
 @dataclass

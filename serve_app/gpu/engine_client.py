@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
@@ -52,14 +51,11 @@ logger = logging.getLogger(__name__)
 # How long close() waits for the engine process to finish before killing it.
 CLOSE_TIMEOUT_S = 30.0
 # A step's outputs are megabytes (at 704 read streams on an H100, ~150 chunks of ~40 KB) and
-# cross the socket a send buffer at a time; after each read the reader thread must get the GIL
-# back from this process's event loop, which keeps it up to the switch interval: 5 ms by
-# default, engine_wire.GIL_SWITCH_INTERVAL_S here (as in the engine process). Not shown to
-# help: a first chunk took 23.5 / 60.5 ms p50 / p99 from the engine process's sink to this
-# reader at read 704 before (c3318b6), and 26.8 / 74.2 ms at read 640 after (bca6c9d), on
-# another, slower machine (docs/benchmarks/README.md, "Current").
-# Socket buffers asked for on both ends (Linux caps them at net.core.wmem_max / rmem_max, by
-# default ~208 KiB): fewer round trips for a step's outputs where the limits allow.
+# cross the socket a send buffer at a time. They used to cost the reader thread one read, and
+# one wait of up to the GIL switch interval, per chunk and per buffer-full; engine_wire now
+# reads a whole message in three calls (scripts/bench_engine_wire.py). Socket buffers asked for
+# on both ends (Linux caps them at net.core.wmem_max / rmem_max, by default ~208 KiB): fewer
+# trips through the kernel for a step's outputs where the limits allow.
 SOCKET_BUFFER_BYTES = 8 << 20
 
 
@@ -127,7 +123,7 @@ class EngineClient:
     """Talks to one engine process; :attr:`info` is what it reported about its engine when it
     was ready (name, model, sample rate, modes, what it can do, its slots)."""
 
-    def __init__(self, process: subprocess.Popen, conn: Connection, info: EngineInfo,
+    def __init__(self, process: subprocess.Popen, conn: socket.socket, info: EngineInfo,
                  on_death: Callable[[], None] | None = None) -> None:
         self._process = process
         self._on_death = on_death
@@ -150,8 +146,8 @@ class EngineClient:
               on_death: Callable[[], None] | None = None) -> "EngineClient":
         """Launch the engine process and wait until its engine is loaded and warm;
         ``on_death`` is called once if it later exits unasked (after its streams have failed)."""
-        ours, theirs = socket.socketpair()
-        for end in (ours, theirs):
+        conn, theirs = socket.socketpair()
+        for end in (conn, theirs):
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)  # this replica's process
@@ -162,7 +158,6 @@ class EngineClient:
             [sys.executable, "-m", "serve_app.gpu.engine_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, close_fds=True)
         theirs.close()
-        conn = Connection(ours.detach())
         try:
             engine_wire.send_message(conn, Start(engine, dict(options)))
             message = engine_wire.receive(conn)

@@ -30,11 +30,11 @@ import logging
 import os
 import pickle
 import queue
+import socket
 import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from serve_app.engines.base import (
@@ -110,7 +110,7 @@ def submit_each(engine: Engine, requests: list[SpeechRequest], sink: OutputSink
 class EngineServer:
     """Serves one engine to one replica until told to close or the replica is gone."""
 
-    def __init__(self, engine: Engine, conn: Connection) -> None:
+    def __init__(self, engine: Engine, conn: socket.socket) -> None:
         self._engine = engine
         self._conn = conn
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
@@ -232,7 +232,7 @@ class EngineServer:
 
 
 def main() -> None:
-    conn = Connection(int(sys.argv[1]))
+    conn = socket.socket(fileno=int(sys.argv[1]))
     # the step thread gives up the GIL at every GPU sync and must get it back at once
     sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(

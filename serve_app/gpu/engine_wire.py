@@ -1,15 +1,23 @@
 """How messages cross between a synthesizer replica and its engine process.
 
 A message is a pickled tuple. Its large buffers (numpy arrays: the audio of a step's chunks, a
-voice clip, a voice's embeddings) are left out of the pickle (pickle protocol 5, out of band)
-and travel as frames of their own, so the thread that pickles a message never copies the audio;
-the thread that writes it gives up the GIL for every large write. On a
-:class:`multiprocessing.connection.Connection`:
+voice clip, a voice's embeddings) are left out of the pickle (pickle protocol 5, out of band),
+so the thread that pickles a message never copies the audio. Each message is one frame on a
+stream socket (the replica and its engine process hold the two ends of a socket pair):
 
-- one frame: the number of buffer frames that follow (4 bytes, little-endian), their sizes
-  (8 bytes each), then the pickle;
-- then each buffer, one frame each, in the order the pickle refers to them (received into
-  writable memory, so the arrays on the other side are writable as well).
+- the pickle's size and the number of buffers (``<QI``, little-endian);
+- each buffer's size (8 bytes each);
+- the pickle, then every buffer, in the order the pickle refers to them.
+
+The sender writes the whole frame in one gathering write (``sendmsg``) straight from the arrays:
+nothing is joined or copied on its side. The receiver reads the two small heads, allocates one
+array per buffer and reads the pickle and all the buffers in one scattering read that waits for
+all of it (``recvmsg_into`` with ``MSG_WAITALL``): the kernel copies each chunk's samples
+straight into the array the chunk will hold (writable, its own memory, so keeping one chunk
+keeps nothing else alive), and however many times the socket's buffer fills and drains while a
+step's megabytes cross, each side comes back for the GIL a few times per message, not once per
+buffer-full (each time a thread comes back from the kernel it may wait up to the switch
+interval for the GIL).
 
 Pickling happens in the thread that makes the message (:func:`encode`); writing can happen in
 another (:func:`send`), which is how the engine process keeps its step thread's hand-off cheap.
@@ -18,17 +26,21 @@ another (:func:`send`), which is how the engine process keeps its step thread's 
 from __future__ import annotations
 
 import pickle
+import socket
 import struct
-from multiprocessing.connection import Connection
 from typing import NamedTuple
+
+import numpy as np
 
 # Both processes of the wire run with this GIL switch interval (Python's default is 5 ms): a
 # thread that comes back from a socket read or write, or the engine's step thread from a GPU
 # sync, waits at most this long for the GIL (engine_process.py, engine_client.py).
 GIL_SWITCH_INTERVAL_S = 0.001
 
-_COUNT = struct.Struct("<I")
+_PREFIX = struct.Struct("<QI")  # pickle bytes, buffer count
 _SIZE = struct.Struct("<Q")
+# At most this many pieces per sendmsg or recvmsg_into (Linux's IOV_MAX is 1024).
+_MAX_PIECES = 512
 
 
 class Encoded(NamedTuple):
@@ -42,31 +54,50 @@ def encode(message: object) -> Encoded:
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     sizes = b"".join(_SIZE.pack(buffer.raw().nbytes) for buffer in buffers)
-    return Encoded(_COUNT.pack(len(buffers)) + sizes + body, buffers)
+    return Encoded(_PREFIX.pack(len(body), len(buffers)) + sizes + body, buffers)
 
 
-def send(conn: Connection, encoded: Encoded) -> None:
-    conn.send_bytes(encoded.header)
-    for buffer in encoded.buffers:
-        conn.send_bytes(buffer.raw())
+def send(sock: socket.socket, encoded: Encoded) -> None:
+    views = [memoryview(encoded.header)] + [buffer.raw() for buffer in encoded.buffers]
+    views = [view for view in views if view.nbytes]
+    while views:  # a signal may cut a blocking sendmsg short
+        views = _after(views, sock.sendmsg(views[:_MAX_PIECES]))
 
 
-def send_message(conn: Connection, message: object) -> None:
-    send(conn, encode(message))
+def send_message(sock: socket.socket, message: object) -> None:
+    send(sock, encode(message))
 
 
-def receive(conn: Connection) -> object:
+def receive(sock: socket.socket) -> object:
     """The next message (raises EOFError or OSError when the other side is gone)."""
-    header = conn.recv_bytes()
-    (count,) = _COUNT.unpack_from(header)
-    buffers = []
-    for index in range(count):
-        (size,) = _SIZE.unpack_from(header, _COUNT.size + index * _SIZE.size)
-        buffer = bytearray(size)
-        if size:
-            conn.recv_bytes_into(buffer)
-        else:
-            conn.recv_bytes()
-        buffers.append(buffer)
-    body = memoryview(header)[_COUNT.size + count * _SIZE.size:]
+    prefix = bytearray(_PREFIX.size)
+    _read_all(sock, [memoryview(prefix)])
+    body_bytes, count = _PREFIX.unpack(prefix)
+    sizes = bytearray(count * _SIZE.size)
+    _read_all(sock, [memoryview(sizes)])
+    body = bytearray(body_bytes)
+    buffers = [np.empty(size, np.uint8) for (size,) in _SIZE.iter_unpack(sizes)]
+    _read_all(sock, [memoryview(body)] + [memoryview(buffer) for buffer in buffers])
     return pickle.loads(body, buffers=buffers)
+
+
+def _read_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every one of ``views`` from ``sock``, in order; EOFError if it closes first."""
+    views = [view for view in views if view.nbytes]
+    while views:  # one call unless a signal cuts it short
+        read = sock.recvmsg_into(views[:_MAX_PIECES], 0, socket.MSG_WAITALL)[0]
+        if read == 0:
+            raise EOFError("the other side closed the socket")
+        views = _after(views, read)
+
+
+def _after(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """``views`` without their first ``nbytes`` bytes."""
+    index = 0
+    while index < len(views) and nbytes >= views[index].nbytes:
+        nbytes -= views[index].nbytes
+        index += 1
+    rest = views[index:]
+    if nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest
