@@ -4,8 +4,9 @@ the real socket pair and relayed to per-stream readers, with no GPU and no Ray.
 
 Two processes, as served: this one is the Synthesizer replica (the real
 :class:`~serve_app.gpu.engine_client.EngineClient`: its reader thread, its dispatch into
-per-stream inboxes, each stream read by a task of its own that "ships" every chunk onward as
-Serve would, ``cloudpickle.dumps``); the child is the engine process (the real
+per-stream inboxes, each stream read by a task of its own that relays it as the Synthesizer
+does, within its timeouts (``serve_app.hops.within``), and "ships" every chunk onward as Serve
+would, ``cloudpickle.dumps``); the child is the engine process (the real
 :class:`~serve_app.gpu.engine_process.EngineServer`, serving a stand-in engine whose step thread
 hands the sink one step's outputs every ``--step-period-s``: ``--chunks`` chunks of about
 ``--samples`` float32 samples for as many of ``--streams`` streams, with some first chunks,
@@ -20,8 +21,11 @@ It measures whatever ``serve_app`` is importable, so the same script measures an
 ``--baseline-tree DIR`` (a checkout of the commit before, e.g. ``git worktree add /tmp/base
 <commit>``) runs it there too, alternating with this tree ``--repeats`` times, and writes both:
 
-    python scripts/bench_engine_wire.py --baseline-tree /tmp/base --repeats 3 \
+    python -m scripts.bench_engine_wire --baseline-tree /tmp/base --repeats 3 \
         --out docs/benchmarks/history/engine-wire-<commit>.json
+
+Each measurement runs in a fresh process that runs this file with the measured tree first on
+its ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -127,17 +131,21 @@ class StepEngine:
         from serve_app.engines.usage import StreamUsage
 
         settings = self._settings
-        self._cpu_at_start = self._cpu_now()
-        self._started_s = next_s = time.perf_counter()
+        next_s = time.perf_counter()
         cursor = 0
-        for step in range(settings["steps"]):
+        for step in range(settings["warmup_steps"] + settings["steps"]):
+            if step == settings["warmup_steps"]:  # measured from here on
+                self._cpu_at_start = self._cpu_now()
+                self._started_s = time.perf_counter()
+                self._sink_cpu_s, self._steps_done = 0.0, 0
             next_s += settings["step_period_s"]
             items: list[tuple[str, object]] = []
             chunks = min(settings["chunks"], len(self._open))
             for index in range(chunks):
                 request_id = self._open[(cursor + index) % len(self._open)]
                 marked = index in (0, chunks - 1)  # the step's first and last chunk are timed
-                timings = {"ttfb_s": 0.01 * (index + 1)} if marked else {}
+                timings = ({"ttfb_s": 0.01 * (index + 1), "bench_step": float(step)} if marked
+                           else {})
                 items.append((request_id, AudioChunk(
                     request_id, self._samples(step * chunks + index), SAMPLE_RATE_HZ,
                     text="a few words " if index % 3 == 0 else "", timings_s=timings)))
@@ -251,37 +259,42 @@ def onward(how: str = "serve"):
 
 async def read_streams(client, settings: dict[str, Any]) -> dict[str, Any]:
     from serve_app.engines.base import RequestAbortedError, SpeechRequest
+    from serve_app.hops import within
 
     ship, _ = onward(settings["onward"])
     marks: list[tuple[float, float, float, float]] = []
     shipped = {"items": 0, "bytes": 0, "ended_by_error": 0}
 
+    start: dict[str, float] = {}
+
+    def measure_from_here() -> None:
+        start.update(loop=time.thread_time(), process=time.process_time(),
+                     reader=thread_cpu_s(client._reader), faults=minor_faults())
+
     async def read(stream) -> None:
         try:
-            async for chunk in stream:
+            relayed = stream if settings["onward"] == "none" else within(stream, 60.0, 30.0)
+            async for chunk in relayed:
                 read_at_s = time.perf_counter()
                 shipped["bytes"] += len(ship(chunk))
                 shipped["items"] += 1
                 timings = chunk.timings_s
-                if "clock_engine_sent" in timings:
+                if timings.get("bench_step", -1) >= settings["warmup_steps"]:
+                    if not start:
+                        measure_from_here()
                     marks.append((timings["clock_engine_sent"], timings["clock_replica_received"],
                                   timings["clock_replica_dispatched"], read_at_s))
         except RequestAbortedError:
             shipped["ended_by_error"] += 1
 
     requests = [SpeechRequest(f"s{index}", "x") for index in range(settings["streams"])]
-    loop_cpu_s, process_cpu_s = time.thread_time(), time.process_time()
-    reader_cpu_s = thread_cpu_s(client._reader)
-    faults = minor_faults()
-    started_s = time.perf_counter()
     streams = await client.submit(requests)
     await asyncio.gather(*(read(stream) for stream in streams))
     return {
-        "wall_s": time.perf_counter() - started_s,
-        "loop_thread_cpu_s": time.thread_time() - loop_cpu_s,
-        "reader_thread_cpu_s": thread_cpu_s(client._reader) - reader_cpu_s,
-        "process_cpu_s": time.process_time() - process_cpu_s,
-        "minor_faults": minor_faults() - faults,
+        "loop_thread_cpu_s": time.thread_time() - start["loop"],
+        "reader_thread_cpu_s": thread_cpu_s(client._reader) - start["reader"],
+        "process_cpu_s": time.process_time() - start["process"],
+        "minor_faults": minor_faults() - start["faults"],
         "marks": marks, **shipped,
     }
 
@@ -403,7 +416,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10_000, help="about this many per chunk")
     parser.add_argument("--finals-per-step", type=int, default=2)
     parser.add_argument("--errors-per-step", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="measured steps")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="steps before measuring")
     parser.add_argument("--step-period-s", type=float, default=0.08)
     parser.add_argument("--onward", choices=("serve", "none"), default="serve",
                         help="per chunk read: serialize it as Serve would, or nothing")
@@ -413,7 +427,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = {key: getattr(args, key) for key in (
         "streams", "chunks", "samples", "finals_per_step", "errors_per_step", "steps",
-        "step_period_s", "onward")}
+        "warmup_steps", "step_period_s", "onward")}
     this_tree = str(Path(__file__).resolve().parents[1])
     trees = {"this": this_tree}
     if args.baseline_tree:

@@ -15,10 +15,11 @@ Messages are the dataclasses of :mod:`serve_app.gpu.engine_protocol` (their audi
 Outputs are sent in batches: the engine delivers everything one step produced in one call
 (``Engine.submit_to``'s sink), which becomes one :class:`~serve_app.gpu.engine_protocol.Outputs`
 message, so a busy step costs one write, not one per stream. The step thread pickles it (the
-chunks' fields, not their audio: the buffers stay out of band) and the sender thread writes it,
-giving up the GIL for every large write; no other thread here holds the GIL for long while
-streams run, so the step thread never waits long to get it back after a GPU sync. A closed
-socket means the replica is gone: this process exits at once (the GPU memory goes with it).
+chunks' fields, not their audio: the buffers stay out of band) and the sender thread writes it
+in one call, straight from the arrays and without the GIL; no other thread here holds the GIL
+for long while streams run, so the step thread never waits long to get it back after a GPU
+sync. A closed socket means the replica is gone: this process exits at once (the GPU memory
+goes with it).
 
 Run as ``python -m serve_app.gpu.engine_process FD`` by :class:`~serve_app.gpu.engine_client.EngineClient`.
 """
