@@ -19,6 +19,13 @@ step's megabytes cross, each side comes back for the GIL a few times per message
 buffer-full (each time a thread comes back from the kernel it may wait up to the switch
 interval for the GIL).
 
+Not one buffer for a whole step with each chunk a view of it: every layer that relays a stream
+(the Synthesizer's generators, Serve's) holds its last chunk until the next one comes, so a
+stream idle between chunks (a voice agent's, waiting for text) would keep a whole step's audio
+alive. Not int16 on the wire: the front resamples and encodes float samples, so every format
+but 24 kHz pcm and wav would change, and the conversion costs the engine's step thread more
+than the sink's whole hand-off (``scripts/bench_engine_wire.py``).
+
 Pickling happens in the thread that makes the message (:func:`encode`); writing can happen in
 another (:func:`send`), which is how the engine process keeps its step thread's hand-off cheap.
 """
