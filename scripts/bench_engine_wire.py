@@ -443,6 +443,7 @@ def main() -> None:
                   flush=True)
     result = {
         "what": "engine -> replica hop on the CPU (scripts/bench_engine_wire.py)",
+        "command": "python -m scripts.bench_engine_wire " + " ".join(sys.argv[1:]),
         "settings": settings,
         "cpu": os.cpu_count(), "python": sys.version.split()[0], "numpy": np.__version__,
         "onward": onward(args.onward)[1],
