@@ -15,7 +15,7 @@ server error.
 from __future__ import annotations
 
 import asyncio
-import time
+import math
 from typing import AsyncIterator, TypeVar
 
 from ray.exceptions import TaskCancelledError
@@ -55,6 +55,51 @@ class StreamTimeout(TimeoutError):
         self.deadline = deadline
 
 
+class _Watchdog:
+    """The timer of one stream in :func:`within`: armed once for a wait and moved only when it
+    fires early, rather than a timer made and cancelled for every item (``asyncio.timeout``,
+    ~10 us an item, hundreds of items a step at each hop). When it fires while its stream
+    waits past the deadline, it cancels the waiting task, as ``asyncio.timeout`` does."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task: asyncio.Task | None = None
+        self._deadline: float | None = None  # loop time the current wait ends; None: no wait
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_for = math.inf
+        self.expired = False
+
+    def wait_until(self, deadline: float, task: asyncio.Task) -> None:
+        self._deadline, self._task = deadline, task
+        if deadline < self._armed_for:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._arm(deadline)
+
+    def stop_waiting(self) -> None:
+        self._deadline = None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle, self._armed_for = None, math.inf
+
+    def _arm(self, deadline: float) -> None:
+        self._handle = self._loop.call_at(deadline, self._fire)
+        self._armed_for = deadline
+
+    def _fire(self) -> None:
+        armed_for, self._handle, self._armed_for = self._armed_for, None, math.inf
+        if self._deadline is None:
+            return  # between waits: the next wait arms it again
+        if self._deadline <= armed_for:
+            self.expired = True
+            assert self._task is not None
+            self._task.cancel()
+        else:
+            self._arm(self._deadline)  # the wait it was armed for ended; this one ends later
+
+
 async def within(items: AsyncIterator[Item], first_timeout_s: float, next_timeout_s: float,
                  max_total_s: float | None = None) -> AsyncIterator[Item]:
     """``items``, the first within ``first_timeout_s``, each later one within
@@ -63,34 +108,46 @@ async def within(items: AsyncIterator[Item], first_timeout_s: float, next_timeou
     Errors of ``items`` pass through. Closing this iterator does not close ``items``: the hop
     that owns the upstream stream cancels it (and so frees the engine slot) itself.
 
-    Each item is awaited in the caller's own task (``asyncio.timeout``, not ``wait_for``, which
-    on Python 3.11 runs it in a task of its own): a cancellation reaches ``items`` directly, and
-    whatever ``items`` raises then is raised here, never left in a task nobody reads ("Task
-    exception was never retrieved", as Serve's stream raises ``RequestCancelledError`` when
-    cancelled).
+    Each item is awaited in the task that asks for it (not in a task of its own, as
+    ``wait_for`` does on Python 3.11): a cancellation reaches ``items`` directly, and whatever
+    ``items`` raises then is raised here, never left in a task nobody reads ("Task exception was
+    never retrieved", as Serve's stream raises ``RequestCancelledError`` when cancelled). A
+    timeout cancels that task while it waits for ``items`` (never while the caller has the item)
+    and becomes :class:`StreamTimeout` here, as ``asyncio.timeout`` would; a cancellation from
+    elsewhere stays one.
     """
-    started_s = time.monotonic()
+    loop = asyncio.get_running_loop()
+    started_s = loop.time()
+    watchdog = _Watchdog(loop)
     timeout_s = first_timeout_s
-    while True:
-        deadline = False
-        if max_total_s is not None:
-            remaining_s = max_total_s - (time.monotonic() - started_s)
-            if remaining_s <= 0:
-                raise StreamTimeout(max_total_s, deadline=True)
-            if remaining_s < timeout_s:
-                timeout_s, deadline = remaining_s, True
-        limit = asyncio.timeout(timeout_s)
-        try:
-            async with limit:
+    try:
+        while True:
+            deadline = False
+            if max_total_s is not None:
+                remaining_s = max_total_s - (loop.time() - started_s)
+                if remaining_s <= 0:
+                    raise StreamTimeout(max_total_s, deadline=True)
+                if remaining_s < timeout_s:
+                    timeout_s, deadline = remaining_s, True
+            task = asyncio.current_task()
+            assert task is not None
+            cancelling = task.cancelling()
+            watchdog.wait_until(loop.time() + timeout_s, task)
+            try:
                 item = await anext(items)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            if not limit.expired():
-                raise  # raised by items itself
-            raise StreamTimeout(max_total_s if deadline else timeout_s, deadline) from None
-        yield item
-        timeout_s = next_timeout_s
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if watchdog.expired and task.uncancel() <= cancelling:
+                    raise StreamTimeout(max_total_s if deadline else timeout_s,
+                                        deadline) from None
+                raise
+            finally:
+                watchdog.stop_waiting()
+            yield item
+            timeout_s = next_timeout_s
+    finally:
+        watchdog.close()
 
 
 def relay_error(request_id: str, below: str, exc: BaseException) -> ApiError:
