@@ -79,6 +79,11 @@ class _Watchdog:
     def stop_waiting(self) -> None:
         self._deadline = None
 
+    def take_back_expiry(self) -> bool:
+        """Whether it cancelled the task since it was last asked (and forget it)."""
+        expired, self.expired = self.expired, False
+        return expired
+
     def close(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
@@ -135,15 +140,20 @@ async def within(items: AsyncIterator[Item], first_timeout_s: float, next_timeou
             watchdog.wait_until(loop.time() + timeout_s, task)
             try:
                 item = await anext(items)
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if watchdog.expired and task.uncancel() <= cancelling:
+            except BaseException as exc:
+                # the watchdog's cancel is taken back whatever ended the wait, as
+                # asyncio.timeout does; only a cancellation it alone asked for is a timeout
+                if (watchdog.take_back_expiry() and task.uncancel() <= cancelling
+                        and isinstance(exc, asyncio.CancelledError)):
                     raise StreamTimeout(max_total_s if deadline else timeout_s,
                                         deadline) from None
+                if isinstance(exc, StopAsyncIteration):
+                    return
                 raise
             finally:
                 watchdog.stop_waiting()
+            if watchdog.take_back_expiry():  # cancelled, yet ``items`` gave an item
+                task.uncancel()
             yield item
             timeout_s = next_timeout_s
     finally:
