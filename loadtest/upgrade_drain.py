@@ -131,8 +131,10 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
 
     # Every long stream under way (its first audio in) before the deploy.
     deadline = time.monotonic() + args.give_up_s
-    while time.monotonic() < deadline and not all(
-            stream.first_audio_s is not None for stream in watched.values()):
+    while time.monotonic() < deadline and not (
+            len(watched) == len(long_streams)  # each task has begun
+            and all(stream.first_audio_s is not None or stream.end_s is not None
+                    for stream in watched.values())):
         await asyncio.sleep(0.5)
     requester = asyncio.create_task(keep_requesting())
     await asyncio.sleep(2 * args.interval_s)  # new requests on the old version first
