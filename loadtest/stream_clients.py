@@ -4,7 +4,7 @@
   terminating chunk; a failure after the 200 cuts the body (httpx: ``RemoteProtocolError``).
 - ``sse``: ``POST /v1/audio/speech`` with ``stream_format: sse``. Complete on
   ``speech.audio.done``; a failure is an ``error`` event.
-- ``ws``: ``WS /v1/audio/speech/stream``: ``session.start``, the text in two deltas,
+- ``ws``: ``WS /v1/audio/speech/stream``: ``session.start``, the text in 500-character deltas,
   ``input_text.done``. Complete on ``response.done``; a failure is an ``error`` event.
 
 Each stream ends as one :data:`OUTCOMES`: ``finished``; ``error_event`` (SSE or WebSocket said
@@ -36,6 +36,7 @@ OUTCOMES = ("finished", "error_event", "cut", "refused", "silent_end", "hung")
 CLEAR_FAILURES = ("error_event", "cut", "refused")  # the client was told the stream failed
 SILENT = ("silent_end", "hung")
 PCM_BYTES_PER_S = 24000 * 2
+WS_DELTA_CHARS = 500  # text in pieces, as an LLM's, each under api.max_text_delta_chars (1000)
 
 
 @dataclass
@@ -146,7 +147,6 @@ async def _sse(base_url: str, text: str, result: StreamOutcome, clock: Any) -> N
 
 async def _ws(base_url: str, text: str, result: StreamOutcome, clock: Any) -> None:
     url = base_url.replace("http://", "ws://", 1) + "/v1/audio/speech/stream"
-    half = len(text) // 2
     async with websockets.connect(url, max_size=None, open_timeout=60,
                                   additional_headers={"x-request-id": result.request_id}
                                   ) as socket:
@@ -157,7 +157,8 @@ async def _ws(base_url: str, text: str, result: StreamOutcome, clock: Any) -> No
             return
         result.status = 101
         result.session_id = started["session_id"]
-        for delta in (text[:half], text[half:]):
+        for start in range(0, len(text), WS_DELTA_CHARS):
+            delta = text[start:start + WS_DELTA_CHARS]
             await socket.send(json.dumps({"type": "input_text.delta", "delta": delta}))
         await socket.send(json.dumps({"type": "input_text.done"}))
         try:

@@ -60,7 +60,10 @@ from loadtest.service import ROOT, haproxy_env_of_its_own
 from loadtest.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
 
 
-LONG_TEXT = " ".join(LONG)
+# About three minutes of speech, tens of seconds to make: the streams outlast the rollout's
+# first steps, so a replica being replaced still holds some (one paragraph's worth ended before
+# Serve stopped its replica on a quiet machine).
+LONG_TEXT = " ".join(LONG * 3)
 SERVE = str(Path(RAY).parent / "serve")
 OLD_CPUS, NEW_CPUS = 0.5, 0.4
 
@@ -137,7 +140,7 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
                     for stream in watched.values())):
         await asyncio.sleep(0.5)
     requester = asyncio.create_task(keep_requesting())
-    await asyncio.sleep(2 * args.interval_s)  # new requests on the old version first
+    await asyncio.sleep(args.interval_s)  # new requests on the old version first
     record["deploy_t_s"] = clock()
     record["in_flight_at_deploy"] = sum(not t.done() for t in long_streams)
     record["deploy_output"] = await asyncio.to_thread(
