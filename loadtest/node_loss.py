@@ -130,33 +130,47 @@ async def requests_after_loss(base_url: str, clock: Any, after_s: float, interva
     return list(await asyncio.gather(*tasks))
 
 
+async def under_way(cluster: AutoscalingLocalCluster, watched: dict[str, StreamOutcome],
+                    tasks: list[asyncio.Task], timeout_s: float) -> dict[str, str]:
+    """Until every stream has its first audio and is traced to its replica (Serve's log line
+    for the call), or one has ended; request id -> replica."""
+    deadline = time.monotonic() + timeout_s
+    placed: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        placed = {i: r for i, r in stream_replicas(cluster.logs_dir).items() if i in watched}
+        begun = len(watched) == len(tasks) and all(
+            s.first_audio_s is not None for s in watched.values())
+        if (begun and len(placed) == len(tasks)) or any(t.done() for t in tasks):
+            break
+    return placed
+
+
 async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base_url: str,
                 record: dict[str, Any]) -> None:
     clock = monotonic_clock()
     record["t0_epoch"] = time.time() - clock()
     watched: dict[str, StreamOutcome] = {}
-    long_streams = [asyncio.create_task(one_stream(kind, base_url, LONG_TEXT, clock,
-                                                   args.give_up_s, watched))
-                    for _ in range(args.streams_per_kind) for kind in KINDS]
+    long_streams: list[asyncio.Task] = []
     replicas_before = synthesizer_replica_nodes()
-    # Every stream under way (its first audio in) and traced to its replica (Serve's log line
-    # for the call) before the loss.
-    deadline = time.monotonic() + args.give_up_s
-    placed: dict[str, str] = {}
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-        placed = {i: r for i, r in stream_replicas(cluster.logs_dir).items() if i in watched}
-        under_way = all(s.first_audio_s is not None for s in watched.values())
-        if (under_way and len(placed) == len(long_streams)) or any(t.done() for t in long_streams):
+    counts: dict[str, int] = {}
+    # Streams on both nodes: Serve routes each to the less busy of two replicas, so a round can
+    # land on one; then another round starts (at most three).
+    for _round in range(3):
+        long_streams += [asyncio.create_task(one_stream(kind, base_url, LONG_TEXT, clock,
+                                                        args.give_up_s, watched))
+                         for _ in range(args.streams_per_kind) for kind in KINDS]
+        placed = await under_way(cluster, watched, long_streams, args.give_up_s)
+        counts = {}
+        for replica in placed.values():
+            node = replicas_before.get(replica)
+            if node:
+                counts[node] = counts.get(node, 0) + 1
+        if len(counts) >= 2:
             break
     await asyncio.sleep(args.after_first_audio_s)
     if any(t.done() for t in long_streams):
         raise RuntimeError("a long stream ended before the loss: make them longer")
-    counts: dict[str, int] = {}
-    for replica in placed.values():
-        node = replicas_before.get(replica)
-        if node:
-            counts[node] = counts.get(node, 0) + 1
     victim = max(counts, key=counts.get)
     record["replicas_before"] = {r: n[-5:] for r, n in replicas_before.items()}
     record["lost_node"] = victim
