@@ -243,7 +243,8 @@ def node_launches(events: list[dict[str, Any]], node_type: str = GPU_WORKER_TYPE
 
 # The app on this cluster: serve_config.cluster_demo.yaml (Piper, the Synthesizer on a
 # GPU-like node each), with the Ingress kept on the head.
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "serve_config.cluster_demo.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "serve_config.cluster_demo.yaml"
 APP_NAME = "tts"
 SYNTHESIZER = "Synthesizer"
 GRACEFUL_SHUTDOWN_S = 300  # serve_config.yaml's Synthesizer: the longest stream, 4096 characters
@@ -351,6 +352,19 @@ def wait_for_two_replicas(base_url: str, timeout_s: float = 400.0) -> None:
 
     if not wait_until(ready, timeout_s, 1.0):
         raise RuntimeError(f"two Synthesizer replicas on two nodes never ran ({base_url})")
+
+
+def add_run_args(parser: Any, out_name: str, streams_per_kind: int, give_up_s: float,
+                 streams_help: str) -> None:
+    """The options node_loss and upgrade_drain share: long streams per kind, when a stream has
+    hung, where the cluster's logs and the JSON go."""
+    parser.add_argument("--streams-per-kind", type=int, default=streams_per_kind,
+                        help=streams_help)
+    parser.add_argument("--give-up-s", type=float, default=give_up_s,
+                        help="a stream still open this long after it started has hung")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="copy the cluster's logs here at the end")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / out_name)
 
 
 def log_to_screen() -> None:

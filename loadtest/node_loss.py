@@ -41,6 +41,7 @@ from typing import Any
 from loadtest.autoscaling_cluster import (
     APP_NAME,
     AutoscalingLocalCluster,
+    add_run_args,
     connect_driver,
     node_launches,
     log_to_screen,
@@ -54,7 +55,7 @@ from loadtest.autoscaling_cluster import (
 from loadtest.cluster_demo import deploy_config, replica_states, wait_until
 from loadtest.corpus import LONG, SHORT
 from loadtest.local_cluster import free_ports
-from loadtest.service import ROOT, haproxy_env_of_its_own
+from loadtest.service import haproxy_env_of_its_own
 from loadtest.stream_clients import (
     CLEAR_FAILURES,
     KINDS,
@@ -72,8 +73,8 @@ LONG_TEXT = " ".join(LONG)  # ~1000 characters: about a minute of speech, tens o
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/node_loss",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams-per-kind", type=int, default=2,
-                        help="long streams over each of http, sse and ws before the loss")
+    add_run_args(parser, "node-loss.json", 2, 300.0,
+                 "long streams over each of http, sse and ws before the loss")
     parser.add_argument("--after-first-audio-s", type=float, default=3.0,
                         help="the node dies this long after every long stream had audio")
     parser.add_argument("--after-s", type=float, default=30.0,
@@ -82,12 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="(one replica must carry these with the streams left: at a "
                              "replica's max_ongoing_requests a WebSocket session's text cannot "
                              "reach its replica; docs/benchmarks/README.md, 'A node lost')")
-    parser.add_argument("--give-up-s", type=float, default=300.0,
-                        help="a stream still open this long after it started has hung")
     parser.add_argument("--replace-timeout-s", type=float, default=300.0)
-    parser.add_argument("--logs", type=Path, default=None,
-                        help="copy the cluster's logs here at the end")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "node-loss.json")
     return parser.parse_args(argv)
 
 

@@ -44,6 +44,7 @@ import yaml
 from loadtest.autoscaling_cluster import (
     SYNTHESIZER,
     AutoscalingLocalCluster,
+    add_run_args,
     connect_driver,
     deployment_config,
     log_to_screen,
@@ -56,7 +57,7 @@ from loadtest.autoscaling_cluster import (
 from loadtest.cluster_demo import replica_states, wait_until
 from loadtest.corpus import LONG, MEDIUM, SHORT
 from loadtest.local_cluster import RAY, free_ports
-from loadtest.service import ROOT, haproxy_env_of_its_own
+from loadtest.service import haproxy_env_of_its_own
 from loadtest.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
 
 
@@ -71,18 +72,15 @@ OLD_CPUS, NEW_CPUS = 0.5, 0.4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/upgrade_drain",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams-per-kind", type=int, default=2,
-                        help="long streams over each of http, sse and ws in flight at the deploy")
+    # One per kind: with two, one replica took five of the six and reached its
+    # max_ongoing_requests, where WebSocket sessions fail (docs/benchmarks/README.md).
+    add_run_args(parser, "upgrade.json", 1, 400.0,
+                 "long streams over each of http, sse and ws in flight at the deploy")
     parser.add_argument("--interval-s", type=float, default=10.0,
                         help="a new request over each kind starts this often (the replica "
                              "left serving must carry them below its max_ongoing_requests: "
                              "docs/benchmarks/README.md, 'A node lost')")
-    parser.add_argument("--give-up-s", type=float, default=400.0,
-                        help="a stream still open this long after it started has hung")
     parser.add_argument("--rollout-timeout-s", type=float, default=420.0)
-    parser.add_argument("--logs", type=Path, default=None,
-                        help="copy the cluster's logs here at the end")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "upgrade.json")
     return parser.parse_args(argv)
 
 
