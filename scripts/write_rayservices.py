@@ -36,9 +36,9 @@ GPU_LOCK = ROOT / "requirements" / "minicpmo+cpu-voice+quant+gpu.txt"
 # Real-time mp3 streams one core of Ingress carries. mp3 is the API's default format and the
 # costliest streamed one but opus: StreamEncoder spends ~33 ms of CPU per second of 24 kHz mp3
 # (2-core x86; serve_config.yaml's Ingress comment, which sizes target_ongoing_requests by it).
-# pcm costs far less: served at read 736 on an H100 all Ingress replicas together used 76.0 % of
-# one core, ~968 pcm streams per core (docs/benchmarks/served-h100.json, the read-736 level's
-# cpu_percent_of_a_core.Ingress). Replace with a served mp3 measurement when there is one.
+# pcm costs far less: served at read 1408 on two H100s the Ingress replicas and HAProxy together
+# used 1.48 cores, 1.05 cores per 1000 pcm streams (docs/benchmarks/served-2gpu.json,
+# front_sizing). Replace with a served mp3 measurement when there is one.
 INGRESS_STREAMS_PER_CORE = 30
 # A CPU worker pod: cores and memory (8 cores as cluster.yaml's c6i.2xlarge; Ray gets them all,
 # one Ingress replica per core, num_cpus: 1 in every profile).
