@@ -208,3 +208,31 @@ def voice_store_problems(manifest: dict[str, Any], claims: dict[str, dict[str, A
         elif "ReadWriteMany" not in claims[claim_names[0]]["spec"]["accessModes"]:
             problems.append(f"{group_name}: claim {claim_names[0]} is not ReadWriteMany")
     return problems
+
+
+def serve_config_unknown_keys(config: dict[str, Any]) -> list[str]:
+    """Keys of a Serve config that Ray's schemas do not define. ``ServeDeploySchema`` lets them
+    through and Serve ignores them, so a misspelt option (``autoscalng_config``) would silently
+    run with the default; here it is named."""
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import (
+        DeploymentSchema,
+        HTTPOptionsSchema,
+        ServeApplicationSchema,
+        ServeDeploySchema,
+    )
+
+    def unknown(where: str, values: dict[str, Any], model: Any) -> list[str]:
+        return [f"{where}.{key}" for key in values if key not in model.model_fields]
+
+    found = unknown("config", config, ServeDeploySchema)
+    found += unknown("http_options", config.get("http_options") or {}, HTTPOptionsSchema)
+    for app in config.get("applications", []):
+        name = app.get("name", "?")
+        found += unknown(f"applications[{name}]", app, ServeApplicationSchema)
+        for deployment in app.get("deployments", []):
+            where = f"applications[{name}].deployments[{deployment.get('name', '?')}]"
+            found += unknown(where, deployment, DeploymentSchema)
+            found += unknown(f"{where}.autoscaling_config",
+                             deployment.get("autoscaling_config") or {}, AutoscalingConfig)
+    return found

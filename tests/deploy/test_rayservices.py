@@ -227,6 +227,26 @@ def test_a_broken_serve_config_v2_fails_rays_schema(manifest: dict[str, Any]) ->
         ServeDeploySchema.model_validate(config)
 
 
+def test_serve_config_v2_has_no_key_rays_schemas_lack(manifest: dict[str, Any]) -> None:
+    assert checks.serve_config_unknown_keys(serve_config_of(manifest)) == []
+
+
+@pytest.mark.parametrize("where", ["deployment", "autoscaling", "application"])
+def test_a_misspelt_serve_option_is_named(manifest: dict[str, Any], where: str) -> None:
+    """Ray's schema accepts these and Serve would run with the default instead."""
+    config = serve_config_of(manifest)
+    ingress = deployment(config, "Ingress")
+    if where == "deployment":
+        ingress["max_ongoing_request"] = ingress.pop("max_ongoing_requests")
+    elif where == "autoscaling":
+        scaling = ingress["autoscaling_config"]
+        scaling["downscale_delay"] = scaling.pop("downscale_delay_s")
+    else:
+        config["applications"][0]["route_prefx"] = config["applications"][0].pop("route_prefix")
+    ServeDeploySchema.model_validate(config)  # let through by Ray's own check ...
+    assert len(checks.serve_config_unknown_keys(config)) == 1  # ... named by this one
+
+
 def test_serve_config_v2_builds_the_app(manifest: dict[str, Any]) -> None:
     """What `serve deploy` runs on the head, without loading any model: the args' check."""
     (app,) = serve_config_of(manifest)["applications"]
