@@ -64,4 +64,5 @@ class EngineInfo:
     clones_voices: bool = False
     # Whether it takes instructions (a request's system_prompt); how many streams it runs at once.
     follows_instructions: bool = False
+    times_words: bool = False  # whether its chunks can carry word times (SpeechRequest.word_times)
     max_slots: int = 0

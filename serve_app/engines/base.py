@@ -20,6 +20,7 @@ import numpy as np
 
 from serve_app.engines.text_rule import clean_text
 from serve_app.engines.usage import StreamUsage
+from serve_app.engines.words import WordTime
 
 # The errors live in a leaf module, which text_rule imports without this one; re-exported here.
 from .errors import (  # noqa: F401
@@ -90,6 +91,8 @@ class SpeechRequest:
 
     ``text_input``: ``"whole"`` (``text`` is all there is) or ``"streamed"`` (``text`` is what is
     known at submission, possibly empty; the rest comes through :meth:`Engine.feed_text`).
+    ``word_times``: the chunks carry their words' times (``AudioChunk.words``); an engine that
+    cannot time words refuses it (:func:`refuse_unsupported`).
     """
 
     request_id: str
@@ -103,6 +106,7 @@ class SpeechRequest:
     max_audio_s: float | None = None
     lengths: LengthControls = field(default_factory=LengthControls)
     text_input: TextInput = "whole"
+    word_times: bool = False
 
     def __post_init__(self) -> None:
         # Whoever builds a request, its engine sees the text under the one text rule.
@@ -115,7 +119,9 @@ class AudioChunk:
 
     ``text`` is the text this chunk covers (may be empty); ``final`` marks the stream's last
     chunk (which may hold no samples); ``timings_s`` carries per-stage seconds for metrics;
-    ``usage``, on the final chunk only, the stream's token counts in the engine's units.
+    ``usage``, on the final chunk only, the stream's token counts in the engine's units;
+    ``words``, for a request with ``word_times``, the words whose audio starts in this chunk
+    (times in seconds from the stream's first sample; a word's end may lie in a later chunk).
     """
 
     request_id: str
@@ -125,6 +131,7 @@ class AudioChunk:
     final: bool = False
     timings_s: dict[str, float] = field(default_factory=dict)
     usage: StreamUsage | None = None
+    words: tuple[WordTime, ...] = ()
 
     @property
     def duration_s(self) -> float:
@@ -377,10 +384,16 @@ class WithoutVoiceCloning:
 
 def refuse_unsupported(engine: object, request: SpeechRequest) -> None:
     """Refuse a request for what ``engine`` has not declared it can do, before its validate:
-    ``system_prompt`` (the API's ``instructions``) needs ``follows_instructions = True``.
+    ``system_prompt`` (the API's ``instructions``) needs ``follows_instructions = True``,
+    ``word_times`` (``timestamp_granularities``) ``times_words = True``.
 
     Raises :class:`InvalidRequestError` naming the API parameter.
     """
+    if request.word_times and not getattr(engine, "times_words", False):
+        name = getattr(engine, "model_id", type(engine).__name__)
+        raise InvalidRequestError(
+            f"the {name} engine cannot time words (leave timestamp_granularities out)",
+            "timestamp_granularities", code="unsupported_parameter")
     if request.system_prompt and not getattr(engine, "follows_instructions", False):
         name = getattr(engine, "model_id", type(engine).__name__)
         raise InvalidRequestError(

@@ -77,6 +77,7 @@ def engine_info(engine: Engine, name: str) -> EngineInfo:
         modes=list(engine.modes), benchmark=getattr(engine, "benchmark", None),
         clones_voices=getattr(engine, "clones_voices", False),
         follows_instructions=getattr(engine, "follows_instructions", False),
+        times_words=getattr(engine, "times_words", False),
         max_slots=engine.stats().max_slots)
 
 

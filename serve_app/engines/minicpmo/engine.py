@@ -20,7 +20,8 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 import torch
 
-from ..base import AudioChunk, EngineStats, OutputSink, SpeechRequest, SubmitsIterators
+from ..base import (AudioChunk, EngineStats, OutputSink, SpeechRequest, SubmitsIterators,
+                    refuse_unsupported)
 from ..streamed_text import StreamedText
 from ..text_rule import MAX_TEXT_CHARS
 from .benchmark_mode import BenchmarkMode
@@ -178,6 +179,7 @@ class MiniCPMOEngine(SubmitsIterators):
     def validate(self, request: SpeechRequest) -> None:
         """Refuse what this engine cannot serve. Streamed requests are read-mode only and may
         start with no text; their prompt holds only the text known at submission."""
+        refuse_unsupported(self, request)
         self._planner.validate(request)
 
     def plan(self, request: SpeechRequest) -> StreamPlan:

@@ -57,6 +57,7 @@ from serve_app.engines.base import (
     SubmitsIterators,
     WithoutVoiceCloning,
     deliver_to,
+    refuse_unsupported,
 )
 from serve_app.engines.faults import FaultInjection, crash_process
 from serve_app.engines.piper.espeak_refs import release_leaked_clause_refs
@@ -92,6 +93,8 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._config: PiperConfig = voice.config
         self.sample_rate_hz: int = self._config.sample_rate
         self.max_batch_size = max_batch_size if has_durations else 1
+        # Word times come from the same durations (serve_app/engines/piper/piper_words.py).
+        self.times_words = has_durations
         self._has_durations = has_durations
         self._synthesize_rows = functools.partial(synthesize_batch, voice, has_durations)
         self._noise_scale = self._config.noise_scale if noise_scale is None else noise_scale
@@ -123,6 +126,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         return [VOICE_NAME]
 
     def validate(self, request: SpeechRequest) -> None:
+        refuse_unsupported(self, request)
         check_request(request, self._phonemizer.pieces)
         if request.request_id in self._streams:
             raise InvalidRequestError("request id already in use", param="request_id",
@@ -169,7 +173,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         return EngineStats(**self._stats.as_dict())
 
     def warmup(self) -> None:
-        ids = self._phonemizer.pieces(_WARMUP_TEXT)[0]
+        ids = self._phonemizer.pieces(_WARMUP_TEXT)[0].ids
         # A long row at batch 2 grows ONNX Runtime's memory arena once, before real traffic.
         rows = 2 if self._has_durations else 1
         self._synthesize_rows([ids] * rows, (self._noise_scale, self._config.length_scale,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,6 +15,14 @@ from serve_app.engines.faults import FaultInjection
 from serve_app.engines.piper.piper_text import Scales
 from serve_app.engines.streamed_text import ClauseFeed
 from serve_app.engines.usage import usage_in_characters
+from serve_app.engines.words import WordTime
+
+
+class PieceAudio(NamedTuple):
+    """A piece's audio, and its words as (word, first sample, end sample) in that audio."""
+
+    samples: np.ndarray
+    words: list[tuple[str, int, int]] = []
 
 
 @dataclass
@@ -39,18 +48,24 @@ class PiperStream:
         return bool(result is None and self.fed and self.fed.open())
 
 
-def next_chunk(stream: PiperStream, result: np.ndarray | None, step_s: float,
+def next_chunk(stream: PiperStream, result: PieceAudio | None, step_s: float,
                sample_rate_hz: int, faults: FaultInjection | None) -> AudioChunk:
     """The stream's next chunk from a step's audio (None: nothing left to say), counted on the
     stream; final when the text is all spoken or ``max_audio_s`` is reached."""
     request_id = stream.request.request_id
-    samples = np.zeros(0, dtype=np.float32) if result is None else result
+    samples = np.zeros(0, dtype=np.float32) if result is None else result.samples
     max_audio_s = stream.request.max_audio_s
     truncated = False
     if max_audio_s is not None:
         budget = int(max_audio_s * sample_rate_hz) - stream.samples_emitted
         truncated = len(samples) >= budget
         samples = samples[:max(budget, 0)]
+    # Stream seconds; a word cut off by max_audio_s ends with the audio (one not begun is gone).
+    offset = stream.samples_emitted
+    words = tuple(WordTime(word, (offset + first) / sample_rate_hz,
+                           (offset + min(end, len(samples))) / sample_rate_hz)
+                  for word, first, end in (result.words if result is not None else ())
+                  if first < len(samples))
     stream.samples_emitted += len(samples)
     stream.chunks_sent += 1
     final = truncated or not (stream.pieces or (stream.fed is not None and stream.fed.open()))
@@ -68,4 +83,4 @@ def next_chunk(stream: PiperStream, result: np.ndarray | None, step_s: float,
         usage = usage_in_characters(chars, stream.request.system_prompt, stream.samples_emitted,
                                     sample_rate_hz)
     return AudioChunk(request_id=request_id, samples=samples, sample_rate_hz=sample_rate_hz,
-                      final=final, timings_s=timings, usage=usage)
+                      final=final, timings_s=timings, usage=usage, words=words)

@@ -11,6 +11,7 @@ from piper import PiperVoice
 
 from serve_app.engines.base import TEXT_INPUTS, InvalidRequestError, SpeechRequest
 from serve_app.engines.piper.piper_voice import phoneme_pieces
+from serve_app.engines.piper.piper_words import Piece, WordLabeler
 from serve_app.engines.text_rule import MAX_TEXT_CHARS, NOTHING_TO_SPEAK, check_text
 
 VOICE_NAME = "joe"
@@ -21,8 +22,7 @@ PHONEMIZED_TEXTS_KEPT = 32  # validate's phoneme pieces, kept for the step that 
 Scales = tuple[float, float, float]  # (noise_scale, length_scale, noise_w_scale)
 
 
-def check_request(request: SpeechRequest,
-                  pieces_of: Callable[[str], Sequence[Sequence[int]]]) -> None:
+def check_request(request: SpeechRequest, pieces_of: Callable[[str], Sequence[Piece]]) -> None:
     """Refuse a request this engine cannot speak (:class:`InvalidRequestError`); ``pieces_of``
     phonemizes a whole text (cached, so the step reuses it)."""
     if request.mode != "read":
@@ -61,7 +61,9 @@ def scales_for(request: SpeechRequest, length_scale: float, noise_scale: float,
 
 class Phonemizer:
     """espeak-ng keeps global state: ``validate`` (event loop) and the step thread take turns
-    under :attr:`lock`. :meth:`pieces` takes it and is cached; :meth:`phonemize` does not."""
+    under :attr:`lock`. :meth:`pieces` takes it and is cached; :meth:`phonemize` does not.
+    Pieces carry their words' spans only where asked (``words=True``): the alignment costs an
+    espeak call per new word."""
 
     def __init__(self, voice: PiperVoice, max_sentence_phonemes: int,
                  first_piece_phonemes: int) -> None:
@@ -69,14 +71,21 @@ class Phonemizer:
         self._max_sentence_phonemes = max_sentence_phonemes
         self._first_piece_phonemes = first_piece_phonemes
         self.lock = threading.Lock()
-        self.pieces: Callable[[str], tuple[tuple[int, ...], ...]] = (
+        self._labeler = WordLabeler(voice.phonemize)
+        self.pieces: Callable[[str], tuple[Piece, ...]] = (
             functools.lru_cache(PHONEMIZED_TEXTS_KEPT)(self._pieces_locked))
 
-    def _pieces_locked(self, text: str) -> tuple[tuple[int, ...], ...]:
+    def _pieces_locked(self, text: str) -> tuple[Piece, ...]:
         with self.lock:
-            return tuple(tuple(ids) for ids in self.phonemize(text))
+            return tuple(self.phonemize(text))
 
-    def phonemize(self, text: str, first: bool = True) -> list[list[int]]:
+    def word_pieces(self, text: str) -> list[Piece]:
+        """:meth:`pieces` with their words' spans (takes the lock; not cached)."""
+        with self.lock:
+            return self.phonemize(text, words=True)
+
+    def phonemize(self, text: str, first: bool = True, words: bool = False) -> list[Piece]:
         """Phoneme-id pieces of ``text``; ``first``: the first piece may be held shorter."""
         return phoneme_pieces(self._voice, text, self._max_sentence_phonemes,
-                              self._first_piece_phonemes if first else 0)
+                              self._first_piece_phonemes if first else 0,
+                              self._labeler if words else None)

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnxruntime
 from piper import PiperVoice
 from piper.config import PiperConfig
+from piper.const import BOS, PAD
+
+from serve_app.engines.piper.piper_words import Label, Piece, WordLabeler, word_spans
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,15 @@ def load_voice(model_path: str | None, config_path: str | None, intra_op_threads
     return PiperVoice(session=session, config=config), has_durations
 
 
+class Synthesized(NamedTuple):
+    """A row's audio and, where the session exposes durations, its samples per phoneme id."""
+
+    samples: np.ndarray
+    id_samples: np.ndarray | None
+
+
 def synthesize_batch(voice: PiperVoice, has_durations: bool, rows: list[list[int]],
-                     scales: tuple[float, float, float]) -> list[np.ndarray]:
+                     scales: tuple[float, float, float]) -> list[Synthesized]:
     """One ONNX run over padded rows; each row trimmed to its own length and normalized
     (more than one row needs the duration output, ``has_durations``, to trim them)."""
     lengths = np.array([len(ids) for ids in rows], dtype=np.int64)
@@ -69,12 +80,13 @@ def synthesize_batch(voice: PiperVoice, has_durations: bool, rows: list[list[int
         "input": ids, "input_lengths": lengths,
         "scales": np.array(scales, dtype=np.float32)})
     audio = outputs[0].reshape(len(rows), -1)
-    if has_durations:
-        durations = outputs[1].reshape(len(rows), -1).sum(axis=1)
-        sizes = (durations * voice.config.hop_length).astype(np.int64)
-    else:
-        sizes = np.array([audio.shape[1]])
-    return [normalize(audio[row, :sizes[row]]) for row in range(len(rows))]
+    if not has_durations:
+        return [Synthesized(normalize(audio[0]), None)]
+    # The durations are whole frames (the model's w_ceil): exact sample counts per id.
+    id_samples = (outputs[1].reshape(len(rows), -1) * voice.config.hop_length).astype(np.int64)
+    sizes = id_samples.sum(axis=1)
+    return [Synthesized(normalize(audio[row, :sizes[row]]), id_samples[row, :lengths[row]])
+            for row in range(len(rows))]
 
 
 def cut_phonemes(phonemes: list[str], limit: int, prefer: str | None = None
@@ -93,21 +105,30 @@ def cut_phonemes(phonemes: list[str], limit: int, prefer: str | None = None
 
 
 def phoneme_pieces(voice: PiperVoice, text: str, max_phonemes: int,
-                   first_piece_phonemes: int = 0) -> list[list[int]]:
+                   first_piece_phonemes: int = 0, labeler: WordLabeler | None = None
+                   ) -> list[Piece]:
     """Text to phoneme-id pieces: one per sentence, long sentences cut at word breaks.
 
     With ``first_piece_phonemes``, the first piece is held to that many phonemes (cut at a comma
-    if one fits), since the time to first audio is the time to synthesize it.
+    if one fits), since the time to first audio is the time to synthesize it. With ``labeler``
+    each piece carries its words' spans of ids (a word is never cut: pieces end at word breaks).
     """
-    parts: list[list[str]] = []
-    for index, phonemes in enumerate(voice.phonemize(text)):
-        if index == 0 and first_piece_phonemes:
-            head, phonemes = cut_phonemes(phonemes, first_piece_phonemes, prefer=",")
-            parts.append(head)
+    sentences = voice.phonemize(text)
+    words, labels = labeler.label(text, sentences) if labeler else ([], None)
+    parts: list[tuple[list[str], list[Label]]] = []
+    for index, phonemes in enumerate(sentences):
+        marks: list[Label] = labels[index] if labels else []
+        limit = first_piece_phonemes if index == 0 and first_piece_phonemes else max_phonemes
+        prefer = "," if index == 0 and first_piece_phonemes else None
         while phonemes:
-            head, phonemes = cut_phonemes(phonemes, max_phonemes)
-            parts.append(head)
-    return [voice.phonemes_to_ids(part) for part in parts if part]
+            head, phonemes = cut_phonemes(phonemes, limit, prefer)
+            parts.append((head, marks[:len(head)]))
+            marks = marks[len(head):]
+            limit, prefer = max_phonemes, None
+    id_map = voice.config.phoneme_id_map
+    return [Piece(tuple(voice.phonemes_to_ids(part)),
+                  word_spans(words, part, marks, id_map, BOS, PAD) if labeler else ())
+            for part, marks in parts if part]
 
 
 def normalize(audio: np.ndarray) -> np.ndarray:
