@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from serve_app.engines.base import SpeechRequest
 # A stream's usage is counted by its engine (on the final chunk); the front reads it from here.
 from serve_app.engines.usage import StreamUsage  # noqa: F401
+from serve_app.engines.words import WordTime
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class EncodedChunk:
     """One engine chunk, encoded, with what it covers: for SSE and WebSocket event streams.
 
     ``audio_offset_s`` is where the chunk starts in the stream's audio; ``text`` is the text the
-    engine spoke in it (may be empty); ``timings_s`` the engine's per-stage seconds.
+    engine spoke in it (may be empty); ``timings_s`` the engine's per-stage seconds; ``words``
+    (None unless the request asked for word times) the words whose audio starts in it.
     """
 
     data: bytes
@@ -36,6 +38,7 @@ class EncodedChunk:
     audio_offset_s: float
     duration_s: float
     timings_s: dict[str, float] = field(default_factory=dict)
+    words: tuple[WordTime, ...] | None = None
 
 
 @dataclass(frozen=True)

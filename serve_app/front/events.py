@@ -26,9 +26,13 @@ SSE_DONE = "speech.audio.done"
 
 
 def chunk_fields(chunk: EncodedChunk) -> dict[str, Any]:
-    """What a chunk covers: its text, its start in the audio and its length (seconds)."""
-    return {"text": chunk.text, "audio_offset_s": round(chunk.audio_offset_s, 6),
-            "duration_s": round(chunk.duration_s, 6)}
+    """What a chunk covers: its text, its start in the audio and its length (seconds), and its
+    words where the request asked for them."""
+    fields = {"text": chunk.text, "audio_offset_s": round(chunk.audio_offset_s, 6),
+              "duration_s": round(chunk.duration_s, 6)}
+    if chunk.words is not None:
+        fields["words"] = [word.as_dict() for word in chunk.words]
+    return fields
 
 
 def error_event(message: str, code: str, error_type: str = "server_error",
@@ -50,7 +54,7 @@ def sse_event(item: EncodedChunk | StreamUsage) -> dict[str, Any] | None:
     """The SSE event of one encoder item; None for a chunk with neither audio nor text."""
     if isinstance(item, StreamUsage):
         return {"type": SSE_DONE, "usage": item.as_dict()}
-    if not item.data and not item.text:
+    if not item.data and not item.text and not item.words:
         return None
     return {"type": SSE_DELTA, "audio": base64.b64encode(item.data).decode("ascii"),
             **chunk_fields(item)}

@@ -207,6 +207,11 @@ class Ingress:
         if body.model not in (info.model_id, *self._api.model_aliases):
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
+        word_times = bool(body.timestamp_granularities)
+        if word_times and body.stream_format != "sse":
+            raise ApiError(400, "timestamp_granularities needs stream_format 'sse' (the words "
+                           "travel in its events)", param="timestamp_granularities",
+                           code="invalid_value")
         # The text rule's and the engine's refusals name the engines' fields ("text").
         try:
             text = self._checked_text(body.input)
@@ -215,7 +220,8 @@ class Ingress:
             request = SpeechRequest(request_id=_request_id(http), text=text, voice=voice,
                                     speed=body.speed, seed=body.seed,
                                     max_audio_s=self._api.max_audio_s,
-                                    system_prompt=body.instructions or None)
+                                    system_prompt=body.instructions or None,
+                                    word_times=word_times)
             _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
             return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ,
                                       received_s, events=body.stream_format == "sse")

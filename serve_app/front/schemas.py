@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from serve_app.audio import SAMPLE_RATES_HZ
 
@@ -16,6 +16,20 @@ _TEXT = ("Text to speak: at most api.max_input_chars characters (default 4096) o
 MAX_INSTRUCTIONS_CHARS = 4096
 INSTRUCTIONS_DESCRIPTION = ("Voice and style direction (OpenAI's instructions); engines that "
                             "cannot follow it (piper) answer 400")
+
+
+def only_words(value: Any) -> Any:
+    """``timestamp_granularities`` is a list whose one accepted value is ``"word"``."""
+    if value is not None and (not isinstance(value, list)
+                              or any(item != "word" for item in value)):
+        raise ValueError('must be a list of "word" (the only granularity this service times)')
+    return value
+
+
+TimestampGranularities = Annotated[
+    list[Literal["word"]] | None, BeforeValidator(only_words),
+    Field(description='["word"]: each audio event lists the words whose audio starts in it '
+                      '(word, start, end in seconds from the first sample); see docs/api.md')]
 
 
 def no_nul(text: str | None) -> str | None:
@@ -43,6 +57,7 @@ class OpenAISpeechBody(BaseModel):
     stream_format: Literal["audio", "sse"] = Field(
         "audio", description="audio: the raw audio bytes; sse: server-sent events "
                              "(speech.audio.delta with base64 audio, then speech.audio.done)")
+    timestamp_granularities: TimestampGranularities = None
 
     _instructions_no_nul = field_validator("instructions")(no_nul)
 

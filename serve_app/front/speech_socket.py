@@ -3,13 +3,16 @@
 Protocol (JSON text messages, binary audio frames):
 
 - client ``{"type": "session.start", "voice", "response_format", "sample_rate", "instructions",
-  "api_key"}`` (every field optional; ``api_key`` where no ``Authorization`` header could be
-  sent) -> server ``session.started``;
+  "timestamp_granularities", "api_key"}`` (every field optional; ``api_key`` where no
+  ``Authorization`` header could be sent) -> server ``session.started``;
 - client ``input_text.delta`` (``delta``: text to append), ``input_text.done`` (no more text),
-  ``cancel`` (stop now; a closed socket does the same);
+  ``cancel`` (stop now; a closed socket does the same; ``played_s``, optional: the seconds of
+  audio the client played) -> server ``response.cancelled`` (with ``played_s`` and
+  ``spoken_text``, the words whose audio ended by then, where the cancel gave ``played_s``);
 - server, per engine chunk: an ``audio.chunk`` event (the text it covers, its audio offset and
-  duration, its byte count, timings) followed by that many bytes in one binary frame; at the end
-  ``response.done`` with ``usage``; ``error`` events (``error``: message, type, param, code).
+  duration, its byte count, timings; with ``timestamp_granularities: ["word"]`` its ``words``)
+  followed by that many bytes in one binary frame; at the end ``response.done`` with ``usage``;
+  ``error`` events (``error``: message, type, param, code).
 
 A bad message gets an ``error`` event and the session goes on; a failed stream, a cancel, the
 idle limit (``api.ws_idle_timeout_s`` without a message while input is open) or the total limit
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -30,13 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from serve_app.audio import check_format_rate
 from serve_app.config import ApiConfig
 from serve_app.engines.base import SpeechRequest
+from serve_app.engines.words import WordTime, spoken_by
 from serve_app.errors import ApiError
 from serve_app.front.events import chunk_fields, error_event, stream_error_event
 from serve_app.front.guard import KeyRing, StreamAdmission
 from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.gpu.routing import PIN_KEYWORD
-from serve_app.front.schemas import MAX_INSTRUCTIONS_CHARS, no_nul
+from serve_app.front.schemas import MAX_INSTRUCTIONS_CHARS, TimestampGranularities, no_nul
 from serve_app.front.socket_channel import (
     CLOSE_ERROR,
     CLOSE_NORMAL,
@@ -66,6 +71,7 @@ class SessionStart(BaseModel):
     response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "pcm"
     sample_rate: int = 24000
     instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS)
+    timestamp_granularities: TimestampGranularities = None
     api_key: str | None = None
 
     _instructions_no_nul = field_validator("instructions")(no_nul)
@@ -91,6 +97,8 @@ class SpeechSession(SocketChannel):
         self.text_chars = 0
         self.input_done = False
         self.first_delta_s: float | None = None
+        # With word times on: every word sent so far, for a barge-in's spoken_text.
+        self.words_sent: list[WordTime] | None = None
 
     # ---- session start ---------------------------------------------------------------------
 
@@ -141,7 +149,8 @@ class SpeechSession(SocketChannel):
                                         self.api.voice_aliases, await self.engine_info())
             request = SpeechRequest(request_id=self.request_id, text="", voice=voice,
                                     text_input="streamed", max_audio_s=self.api.max_audio_s,
-                                    system_prompt=start.instructions or None)
+                                    system_prompt=start.instructions or None,
+                                    word_times=bool(start.timestamp_granularities))
             job = EncodeJob(request=request, audio_format=start.response_format,
                             sample_rate_hz=start.sample_rate, events=True)
             first, pieces, self.upstream = await open_stream(self.synthesizer, job, self.api,
@@ -154,6 +163,8 @@ class SpeechSession(SocketChannel):
             raise SessionEnd(error_event("speech synthesis failed", "synthesis_failed"),
                              CLOSE_ERROR)
         self.replica_id = first.replica_id
+        if start.timestamp_granularities:
+            self.words_sent = []
         return pieces
 
     # ---- text in ---------------------------------------------------------------------------
@@ -166,7 +177,12 @@ class SpeechSession(SocketChannel):
                 continue
             kind = body["type"]
             if kind == "cancel":
-                raise SessionEnd({"type": "response.cancelled"})
+                played_s = body.get("played_s")
+                if played_s is not None and not _seconds(played_s):
+                    await self.send(bad_message("played_s must be a number of seconds, 0 or "
+                                                "more", "invalid_value", "played_s"))
+                    continue
+                raise SessionEnd(self.cancelled(played_s))
             if kind == "input_text.delta":
                 await self.delta(body.get("delta"))
             elif kind == "input_text.done":
@@ -178,6 +194,16 @@ class SpeechSession(SocketChannel):
             else:
                 await self.send(bad_message(f"unknown message type {kind!r}", "unknown_type",
                                              "type"))
+
+    def cancelled(self, played_s: float | None) -> dict[str, Any]:
+        """``response.cancelled``; given ``played_s``, the text of the words heard by then
+        (None without word times: the session did not ask for them)."""
+        event: dict[str, Any] = {"type": "response.cancelled"}
+        if played_s is not None:
+            event["played_s"] = played_s
+            event["spoken_text"] = (None if self.words_sent is None else " ".join(
+                word.word for word in spoken_by(self.words_sent, played_s)))
+        return event
 
     async def delta(self, text: Any) -> None:
         if not isinstance(text, str):
@@ -225,6 +251,8 @@ class SpeechSession(SocketChannel):
             async for item in pieces:
                 if isinstance(item, EncodedChunk):
                     await self.send(self.chunk_event(item), item.data)
+                    if item.words is not None and self.words_sent is not None:
+                        self.words_sent.extend(item.words)
                 elif isinstance(item, StreamUsage):
                     raise SessionEnd({"type": "response.done", "usage": item.as_dict()})
                 elif isinstance(item, ApiError):
@@ -295,6 +323,11 @@ class SpeechSession(SocketChannel):
         for task, outcome in zip(tasks, ended):
             if task in done and isinstance(outcome, BaseException):
                 raise outcome  # the SessionEnd (or disconnect) that ended the session
+
+
+def _seconds(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 @router.websocket(ROUTE)

@@ -26,6 +26,7 @@ from serve_app.audio import StreamEncoder
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
 from serve_app.hops import HOP_MARGIN_S, as_cancellation, is_cancellation, relay_error, within
+from serve_app.engines.words import WordTime
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.observability.metrics import EncoderMetrics
 
@@ -56,8 +57,29 @@ async def open_stream(synthesizer: DeploymentHandle, job: EncodeJob, api: ApiCon
     return first, pieces, upstream
 
 
+class WordsByChunk:
+    """Hands each encoded chunk the words whose audio starts in it: the resampler may hold a
+    word's first samples back until the next engine chunk, so words wait here until the audio
+    the encoder has taken in reaches them (the tail takes the rest)."""
+
+    def __init__(self) -> None:
+        self._waiting: list[WordTime] = []
+
+    def add(self, words: tuple[WordTime, ...]) -> None:
+        self._waiting.extend(words)
+
+    def until(self, end_s: float | None) -> tuple[WordTime, ...]:
+        """The waiting words that start before ``end_s`` (None: all of them)."""
+        count = len(self._waiting) if end_s is None else next(
+            (i for i, word in enumerate(self._waiting) if word.start_s >= end_s),
+            len(self._waiting))
+        taken, self._waiting = self._waiting[:count], self._waiting[count:]
+        return tuple(taken)
+
+
 def _chunk(encoder: StreamEncoder, samples_before: int, data: bytes, text: str,
-           timings_s: dict[str, float] | None = None) -> EncodedChunk:
+           timings_s: dict[str, float] | None = None,
+           words: tuple[WordTime, ...] | None = None) -> EncodedChunk:
     """An event chunk whose offset and duration are those of the audio the encoder took in for
     it, at the output rate: what the bytes carry (pcm and wav exactly; a codec's frames may
     leave a call later). The engine chunk's own duration is not: the resampler holds back a few
@@ -65,7 +87,7 @@ def _chunk(encoder: StreamEncoder, samples_before: int, data: bytes, text: str,
     sample counts."""
     rate = encoder.output_rate_hz
     return EncodedChunk(data, text, samples_before / rate,
-                        (encoder.samples_out - samples_before) / rate, timings_s or {})
+                        (encoder.samples_out - samples_before) / rate, timings_s or {}, words)
 
 
 async def _off_loop(encoder: StreamEncoder, work: Any, *args: Any) -> bytes:
@@ -81,6 +103,7 @@ async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMe
     started_s = time.perf_counter()
     encoder: StreamEncoder | None = None
     usage: StreamUsage | None = None
+    words = WordsByChunk() if job.events and job.request.word_times else None
     try:
         async for item in chunks:
             if isinstance(item, ApiError):
@@ -102,15 +125,20 @@ async def encoded(chunks: AsyncIterator[Any], job: EncodeJob, metrics: EncoderMe
             data = await _off_loop(encoder, encoder.encode, item.samples)
             metrics.chunk(item.timings_s, time.perf_counter() - encode_started_s)
             if job.events:
-                yield _chunk(encoder, before, data, item.text, item.timings_s)
+                chunk_words = None
+                if words is not None:
+                    words.add(item.words)
+                    chunk_words = words.until(encoder.samples_out / encoder.output_rate_hz)
+                yield _chunk(encoder, before, data, item.text, item.timings_s, chunk_words)
             elif data:
                 yield data
         audio_s = 0.0
         if encoder is not None:
             before = encoder.samples_out
             tail = await _off_loop(encoder, encoder.finish)
-            if tail:
-                yield _chunk(encoder, before, tail, "") if job.events else tail
+            rest = words.until(None) if words is not None else None
+            if tail or rest:
+                yield _chunk(encoder, before, tail, "", None, rest) if job.events else tail
             audio_s = encoder.samples_out / encoder.output_rate_hz
         if job.events and usage is not None:
             yield usage
