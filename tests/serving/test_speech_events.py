@@ -106,3 +106,45 @@ def test_instructions_longer_than_the_limit_are_refused(client: httpx.Client) ->
     assert reply.json()["error"] | {"message": None} == {
         "message": None, "type": "invalid_request_error", "param": "instructions",
         "code": "string_too_long"}
+
+
+def sse_events(client: httpx.Client, **fields) -> list[dict]:
+    with client.stream("POST", "/v1/audio/speech",
+                       json={**BODY, "stream_format": "sse", **fields}) as reply:
+        assert reply.status_code == 200, reply.read()
+        return parse_sse(reply.iter_lines())
+
+
+def test_word_timestamps_ride_on_the_deltas_where_their_audio_starts(
+        client: httpx.Client) -> None:
+    from serve_app.engines.words import split_words
+
+    events = sse_events(client, timestamp_granularities=["word"])
+    audio = check_events(events)
+    deltas = events[:-1]
+    words = [word for event in deltas for word in event["words"]]
+    assert [word["word"] for word in words] == split_words(TEXT)
+    for event in deltas:
+        for word in event["words"]:
+            assert (event["audio_offset_s"] - 1e-3 <= word["start"]
+                    < event["audio_offset_s"] + event["duration_s"])
+    assert all(a["end"] <= b["start"] for a, b in zip(words, words[1:]))
+    assert all(w["start"] < w["end"] <= len(audio) / 2 / 24000 + 1e-3 for w in words)
+    # Off (the default), no event has the key, and the audio is the same.
+    plain = sse_events(client)
+    assert all("words" not in event for event in plain)
+    sse_audio = np.frombuffer(check_events(plain), dtype="<i2").astype(np.int32)
+    assert np.max(np.abs(sse_audio - np.frombuffer(audio, dtype="<i2"))) <= 2
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"timestamp_granularities": ["segment"], "stream_format": "sse"}, "timestamp_granularities"),
+    ({"timestamp_granularities": "word", "stream_format": "sse"}, "timestamp_granularities"),
+    ({"timestamp_granularities": ["word"]}, "timestamp_granularities"),  # audio: nowhere to go
+])
+def test_bad_timestamp_granularities_are_a_400_naming_it(
+        client: httpx.Client, fields: dict, param: str) -> None:
+    reply = client.post("/v1/audio/speech", json={**BODY, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and "word" in error["message"], error

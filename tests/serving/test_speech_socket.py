@@ -123,6 +123,47 @@ def test_cancel_frees_the_engine_slot(server: Server) -> None:
     assert stats["aborted"] == before["aborted"] + 1
 
 
+BARGE_IN_TEXT = ("A voice agent speaks this answer, sentence by sentence. The user cuts in "
+                 "before it ends, so only some of it is heard. The rest is never played.")
+
+
+def test_barge_in_answers_with_the_words_heard_before_played_s(server: Server) -> None:
+    from serve_app.engines.words import split_words
+
+    with open_socket(server) as socket:
+        send(socket, "session.start", response_format="pcm", sample_rate=24000,
+             timestamp_granularities=["bogus"])
+        assert receive_event(socket)["error"]["param"] == "timestamp_granularities"
+        start(socket, timestamp_granularities=["word"])
+        send(socket, "input_text.delta", delta=BARGE_IN_TEXT)
+        words: list[dict[str, Any]] = []
+        while len(words) < 3:
+            event = receive_event(socket)
+            assert event["type"] == "audio.chunk", event
+            words += event["words"]
+        assert [w["word"] for w in words] == split_words(BARGE_IN_TEXT)[:len(words)]
+        played_s = words[1]["end"] + 0.001  # the second word just finished playing
+        send(socket, "cancel", played_s=-1)
+        assert receive_event(socket)["error"]["param"] == "played_s"  # the session goes on
+        send(socket, "cancel", played_s=played_s)
+        events, _ = drain(socket)
+    cancelled = [e for e in events if e["type"] != "audio.chunk"]
+    assert cancelled == [{"type": "response.cancelled", "played_s": played_s,
+                          "spoken_text": " ".join(w["word"] for w in words[:2])}]
+
+
+def test_without_word_times_chunks_have_no_words_and_spoken_text_is_null(
+        server: Server) -> None:
+    with open_socket(server) as socket:
+        start(socket)
+        send(socket, "input_text.delta", delta=BARGE_IN_TEXT)
+        event = receive_event(socket)
+        assert event["type"] == "audio.chunk" and "words" not in event
+        send(socket, "cancel", played_s=0.5)
+        events, _ = drain(socket)
+    assert events[-1] == {"type": "response.cancelled", "played_s": 0.5, "spoken_text": None}
+
+
 def test_hostile_messages_get_error_events_and_the_service_keeps_serving(
         server: Server) -> None:
     with open_socket(server) as socket:
