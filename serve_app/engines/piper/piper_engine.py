@@ -16,6 +16,9 @@ Streaming and batching:
   next step. Batch > 1 reads each row's length from the duration tensor that piper's
   ``add_alignment_output`` exposes (needs ``onnx``; else batch 1); a padded row matches the piece
   run alone within about 1e-4.
+- Word times (``word_times``): each piece's words' spans of phoneme ids
+  (:mod:`~.piper_words`) timed by the same run's duration output, so exact for the audio sent;
+  only for a request that asks (the alignment costs espeak calls).
 - ``seed``: both noise scales 0 (ONNX Runtime's noise takes no seed), so exactly deterministic.
 - Streamed text input (``text_input="streamed"``): the text fed so far is spoken piece by
   piece as pieces complete, by the rule both engines share (:mod:`~.streamed_text`: at sentence

@@ -8,8 +8,9 @@ common subsequence). Phonemes it matches take their word; the ones it does not (
 differently in context) take the word of their neighbour within the same espeak word. Spaces and
 clause marks (``,`` ``.`` ``?``: the pauses) belong to no word.
 
-Each word then spans the phoneme ids of its first to its last phoneme (and the pad after it),
-which the voice's duration output turns into samples (:func:`word_samples`).
+Each word then spans the phoneme ids of its first to its last phoneme (the pad piper puts after
+each phoneme included, except after the last: before a pause that pad is already quiet), which
+the voice's duration output turns into samples (:func:`word_samples`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def _fill_within_espeak_words(found: list[Label], flat: list[tuple[int, int]],
 def word_spans(words: list[str], phonemes: Sequence[str], labels: Sequence[Label],
                id_map: dict[str, Sequence[int]], bos: str, pad: str) -> tuple[WordSpan, ...]:
     """Each labelled word's span of ids in the piece ``phonemes`` becomes (the ids piper's
-    ``phonemes_to_ids`` writes: BOS, pad, then each known phoneme's ids and a pad)."""
+    ``phonemes_to_ids`` writes: BOS, pad, then each known phoneme's ids and a pad), from its
+    first phoneme's ids to its last's, without the pad after the last."""
     pad_len = len(id_map[pad])
     position = len(id_map[bos]) + pad_len
     spans: dict[int, list[int]] = {}
@@ -127,7 +129,7 @@ def word_spans(words: list[str], phonemes: Sequence[str], labels: Sequence[Label
         width = len(id_map[phoneme]) + pad_len if phoneme in id_map else 0
         if label is not None and width:
             span = spans.setdefault(label, [position, position + width])
-            span[1] = position + width
+            span[1] = position + width - pad_len
         position += width
     return tuple(WordSpan(words[label], first, end) for label, (first, end) in spans.items())
 
