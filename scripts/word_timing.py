@@ -25,6 +25,7 @@ import asyncio
 import ctypes
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,31 @@ def espeak_errors(words: list[WordTime], espeak_starts: list[float | None]) -> l
     return [abs(float(value)) * 1000 for value in y - (slope * x + intercept)]
 
 
+def phonemizing_cost_ms(engine, text: str) -> dict[str, float]:
+    """What word times add to phonemizing ``text`` on the step thread: plain pieces, pieces
+    with words on a cold word cache, then again (warm); best of 3 each (ms)."""
+    from serve_app.engines.piper.piper_text import Phonemizer
+
+    def best(call) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - started)
+        return round(min(times) * 1000, 2)
+
+    phonemizer = engine._phonemizer
+    cold = []
+    for _ in range(3):
+        fresh = Phonemizer(engine._voice, 400, 0)
+        started = time.perf_counter()
+        fresh.word_pieces(text)
+        cold.append(time.perf_counter() - started)
+    return {"chars": len(text), "plain_ms": best(lambda: phonemizer.phonemize(text)),
+            "words_cold_ms": round(min(cold) * 1000, 2),
+            "words_warm_ms": best(lambda: phonemizer.word_pieces(text))}
+
+
 def summary(values: list[float]) -> dict[str, float]:
     values_abs = np.abs(np.array(values))
     return {"n": int(values_abs.size), "mean_ms": round(float(values_abs.mean()), 1),
@@ -175,6 +201,7 @@ def main() -> None:
         return [await _speak(engine, text, index) for index, text in enumerate(TEXTS)]
 
     spoken = asyncio.run(speak_all())
+    cost = phonemizing_cost_ms(engine, " ".join(TEXTS))
     engine.close()
     for text, (words, _, _) in zip(TEXTS, spoken):
         assert [w.word for w in words] == split_words(text), text
@@ -201,6 +228,7 @@ def main() -> None:
         "word_end_bias_ms": round(float(np.mean(ends)), 1),
         "espeak_word_events": {**summary(against_espeak),
                                "words_without_event": sum(s is None for t in espeak for s in t)},
+        "phonemizing_cost": cost,
         "pause_detail": pauses,
     }
     Path(args.out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n",
