@@ -3,8 +3,9 @@
 espeak-ng writes a clause's phonemes with a space between words, but its words are not the
 text's: it joins some ("of the" -> ``ʌvðə``) and expands others ("1887" -> four words). So each
 text word (:func:`serve_app.engines.words.split_words`) is phonemized alone, and the sequence of
-those phonemes is aligned with the sentence's (:class:`difflib.SequenceMatcher`, a longest
-common subsequence). Phonemes it matches take their word; the ones it does not (a word said
+those phonemes is aligned with each sentence's in turn (:class:`difflib.SequenceMatcher`, a
+longest common subsequence; the standard library's, as no maintained aligner of phoneme strings
+is a dependency here). Phonemes it matches take their word; the ones it does not (a word said
 differently in context) take the word of their neighbour within the same espeak word. Spaces and
 clause marks (``,`` ``.`` ``?``: the pauses) belong to no word.
 
@@ -56,25 +57,35 @@ class WordLabeler:
 
     def label(self, text: str, sentences: Sequence[Sequence[str]]
               ) -> tuple[list[str], list[list[Label]]]:
-        """The text's words and, per sentence, each phoneme's word."""
+        """The text's words and, per sentence, each phoneme's word.
+
+        Sentence by sentence, against a window of the words not yet placed (half as many
+        phonemes again as the sentence has), so the alignment's cost grows with the text, not
+        with its square."""
         words = split_words(text)
-        spoken: list[str] = []
-        spoken_word: list[int] = []
-        for index, word in enumerate(words):
-            phonemes = self._isolated(word)
-            spoken.extend(phonemes)
-            spoken_word.extend([index] * len(phonemes))
-        flat = [(s, i) for s, sentence in enumerate(sentences) for i, p in enumerate(sentence)
-                if p not in SILENT]
-        labels: list[list[Label]] = [[None] * len(sentence) for sentence in sentences]
-        if not spoken or not flat:
-            return words, labels
-        found = _align(spoken, spoken_word, [sentences[s][i] for s, i in flat])
-        _fill_within_espeak_words(found, flat, sentences)
-        last = 0
-        for (s, i), label in zip(flat, found):
-            last = max(last, label if label is not None else last)  # in text order
-            labels[s][i] = last
+        labels: list[list[Label]] = []
+        placed = 0  # words before this one are in earlier sentences
+        for sentence in sentences:
+            heard = [i for i, phoneme in enumerate(sentence) if phoneme not in SILENT]
+            sentence_labels: list[Label] = [None] * len(sentence)
+            labels.append(sentence_labels)
+            spoken: list[str] = []
+            spoken_word: list[int] = []
+            window_end = placed
+            while window_end < len(words) and len(spoken) < len(heard) * 3 // 2 + 8:
+                phonemes = self._isolated(words[window_end])
+                spoken.extend(phonemes)
+                spoken_word.extend([window_end] * len(phonemes))
+                window_end += 1
+            if not heard or not spoken:
+                continue
+            found = _align(spoken, spoken_word, [sentence[i] for i in heard])
+            _fill_within_espeak_words(found, heard, sentence)
+            last = placed
+            for index, label in zip(heard, found):
+                last = max(last, label if label is not None else last)  # in text order
+                sentence_labels[index] = last
+            placed = last + 1
         return words, labels
 
 
@@ -85,24 +96,21 @@ def _align(spoken: list[str], spoken_word: list[int], heard: list[str]) -> list[
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             found[j1:j2] = spoken_word[i1:i2]
-        elif tag == "replace":  # spread the replaced phonemes' words evenly over these
+        elif tag == "replace":  # one for one, in order (the rest: the block's last word)
             for offset in range(j2 - j1):
-                found[j1 + offset] = spoken_word[i1 + offset * (i2 - i1) // (j2 - j1)]
+                found[j1 + offset] = spoken_word[min(i1 + offset, i2 - 1)]
         elif tag == "insert":
             found[j1:j2] = [None] * (j2 - j1)
     return found
 
 
-def _fill_within_espeak_words(found: list[Label], flat: list[tuple[int, int]],
-                              sentences: Sequence[Sequence[str]]) -> None:
+def _fill_within_espeak_words(found: list[Label], heard: list[int],
+                              sentence: Sequence[str]) -> None:
     """An unmatched phoneme takes the word of the nearest matched one in its espeak word
     (phonemes between spaces), the one before first; with none there, the one before it."""
-    group = [0] * len(flat)  # espeak word number of each phoneme
-    number = 0
-    for k, (s, i) in enumerate(flat):
-        if k and (s != flat[k - 1][0] or any(p == " " for p in sentences[s][flat[k - 1][1]:i])):
-            number += 1
-        group[k] = number
+    group = [0] * len(heard)  # espeak word number of each heard phoneme
+    for k in range(1, len(heard)):
+        group[k] = group[k - 1] + (" " in sentence[heard[k - 1]:heard[k]])
     for k in range(len(found)):
         if found[k] is not None:
             continue
@@ -114,7 +122,7 @@ def _fill_within_espeak_words(found: list[Label], flat: list[tuple[int, int]],
             found[k] = before if before is not None else after
         else:
             found[k] = next((found[j] for j in range(k - 1, -1, -1) if found[j] is not None),
-                            0)
+                            None)
 
 
 def word_spans(words: list[str], phonemes: Sequence[str], labels: Sequence[Label],
