@@ -77,10 +77,11 @@ class ApiConfig(BaseModel):
     # Names /v1/models lists and /v1/audio/speech accepts besides the engine's own model id.
     model_aliases: list[str] = Field(default_factory=lambda: ["tts-1", "tts-1-hd",
                                                              "gpt-4o-mini-tts"])
-    # OpenAI voice names; each is served with the engine's default voice.
+    # OpenAI voice names (every one its speech API takes, marin and cedar included: Pipecat
+    # lists them); each is served with the engine's default voice.
     voice_aliases: list[str] = Field(default_factory=lambda: [
-        "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
-        "shimmer", "verse"])
+        "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
+        "sage", "shimmer", "verse"])
     readiness_timeout_s: float = Field(2.0, gt=0)
     # Voices (POST /v1/audio/voices): where they are stored (a local folder, or a shared one on
     # a cluster), how many one API key may keep, the largest multipart upload (413 beyond;

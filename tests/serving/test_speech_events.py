@@ -148,3 +148,12 @@ def test_bad_timestamp_granularities_are_a_400_naming_it(
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and "word" in error["message"], error
+
+
+def test_every_openai_voice_name_is_accepted_marin_and_cedar_included(
+        client: httpx.Client) -> None:
+    listed = {voice["id"] for voice in client.get("/v1/voices").json()["data"]}
+    assert {"marin", "cedar"} <= listed
+    for voice in ("marin", "cedar"):
+        reply = client.post("/v1/audio/speech", json={**BODY, "voice": voice, "input": "Hi."})
+        assert reply.status_code == 200 and len(reply.content) > 2400, reply.text
