@@ -280,3 +280,26 @@ def test_sessions_spread_over_replicas_all_get_their_text(two_replicas: Server) 
         assert not [e for e in events if e["type"] == "error"]
         assert events[-1]["usage"]["input_tokens"] == len(text) + 1  # each word plus a space
         assert len(audio) > 24000
+
+
+def test_the_voice_agent_example_cuts_in_and_prints_the_words_heard(
+        server: Server, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.serving.conftest import ROOT
+
+    (tmp_path / "speech.txt").write_text(BARGE_IN_TEXT, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "voice_agent.py"),
+         "--url", server.base_url.replace("http://", "ws://") + ROUTE,
+         "--api-key", server.api_key, "--text-file", "speech.txt", "--words-per-s", "50",
+         "--out", "agent.pcm", "--words", "--barge-in-s", "1.5"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    captions = [line.split("] ", 1)[1] for line in lines if line.startswith("[")]
+    assert captions[:3] == BARGE_IN_TEXT.split()[:3]
+    [heard] = [line for line in lines if line.startswith("cut in after 1.5 s; heard: ")]
+    spoken = heard.split("heard: ", 1)[1].strip("'\"")
+    assert spoken and BARGE_IN_TEXT.startswith(spoken) and len(spoken) < len(BARGE_IN_TEXT)

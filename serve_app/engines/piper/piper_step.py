@@ -73,6 +73,6 @@ def run_step(streams: list[PiperStream], phonemizer: Phonemizer,
                 results[index] = audio
             else:
                 words = (word_samples(piece.words, audio.id_samples)
-                         if piece.words and audio.id_samples is not None else [])
+                         if piece.words and audio.id_samples is not None else ())
                 results[index] = PieceAudio(audio.samples, words)
     return results

@@ -22,7 +22,7 @@ class PieceAudio(NamedTuple):
     """A piece's audio, and its words as (word, first sample, end sample) in that audio."""
 
     samples: np.ndarray
-    words: list[tuple[str, int, int]] = []
+    words: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass

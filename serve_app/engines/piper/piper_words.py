@@ -143,7 +143,8 @@ def word_spans(words: list[str], phonemes: Sequence[str], labels: Sequence[Label
 
 
 def word_samples(spans: Sequence[WordSpan], id_samples: np.ndarray
-                 ) -> list[tuple[str, int, int]]:
+                 ) -> tuple[tuple[str, int, int], ...]:
     """(word, first sample, end sample) in the piece's audio, from samples per id."""
     edges = np.concatenate([[0], np.cumsum(id_samples)])
-    return [(span.word, int(edges[span.first_id]), int(edges[span.end_id])) for span in spans]
+    return tuple((span.word, int(edges[span.first_id]), int(edges[span.end_id]))
+                 for span in spans)
