@@ -40,6 +40,7 @@ from .step.record import StepRecord
 from .step_loop import StepLoop
 from .text import GENERATION_PROMPT
 from .voices import DEFAULT_VOICE, VoiceTable, VoiceTurn
+from .word_times import ReleasedWords
 
 __all__ = ["EngineOptions", "MiniCPMOEngine", "StreamPlan"]
 
@@ -100,6 +101,7 @@ class MiniCPMOEngine(SubmitsIterators):
     sample_rate_hz = SAMPLE_RATE_HZ
     modes = ("read", "chat")
     follows_instructions = True  # they become the system prompt, shaping the speaker embedding
+    times_words = True  # when each word's text reaches the TTS (word_times.py: how rough)
 
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
         self.options = options
@@ -215,7 +217,9 @@ class MiniCPMOEngine(SubmitsIterators):
                     self._planner.check_chat_room(voice.length + len(plan.prompt_ids))  # re-added
             streams = [Stream(plan, sink, time.perf_counter(),
                               fed_text=StreamedText(MAX_TEXT_CHARS, len(plan.request.text))
-                              if plan.text_feed is not None else None, voice=voice)
+                              if plan.text_feed is not None else None, voice=voice,
+                              words=ReleasedWords(SAMPLE_RATE_HZ)
+                              if plan.request.word_times else None)
                        for plan, voice in zip(plans, voices)]
             self._scheduler.enqueue(streams)
         except BaseException:

@@ -57,9 +57,11 @@ def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = Fals
     if stream.schedule is not None:
         stream.schedule.text_since_emit = ""
     stream.chunks_sent += 1
+    words = () if stream.words is None else stream.words.chunk(
+        text, len(samples), stream.text_done and not stream.pieces)
     send(outbox, stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
                             SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings,
-                            usage=stream_usage(stream) if final else None))
+                            usage=stream_usage(stream) if final else None, words=words))
 
 
 def join_decoded(outbox: Outbox, decoded: Sequence[tuple[Stream, DecodeJob, np.ndarray]],

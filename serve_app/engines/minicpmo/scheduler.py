@@ -26,6 +26,7 @@ from .joiner import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
 from .voices import VoicePrefix
+from .word_times import ReleasedWords
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Stream:
     first_audio_at: float | None = None
     chunks_sent: int = 0
     done: bool = False
+    words: ReleasedWords | None = None  # with word_times: its words as their text is released
 
     @property
     def request_id(self) -> str:
