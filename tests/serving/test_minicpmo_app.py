@@ -144,3 +144,17 @@ def test_websocket_text_fed_word_by_word_is_spoken_with_its_captions(minicpmo_ap
     assert spoken and TEXT.startswith(spoken)
     assert sum(c["bytes"] for c in chunks) == len(audio) > 4096
     assert events[-1]["usage"]["input_tokens"] > 0
+
+
+def test_sse_word_timestamps_on_minicpmo_follow_the_released_text(minicpmo_app):
+    from serve_app.engines.words import split_words
+
+    *deltas, done = sse_events(minicpmo_app, timestamp_granularities=["word"])
+    assert done["type"] == "speech.audio.done"
+    words = [word for event in deltas for word in event["words"]]
+    assert words and [w["word"] for w in words] == split_words(TEXT)[:len(words)]
+    for event in deltas:
+        for word in event["words"]:
+            assert (event["audio_offset_s"] - 1e-3 <= word["start"]
+                    < event["audio_offset_s"] + event["duration_s"] + 1e-3)  # 3 decimals
+    assert all(a["end"] <= b["start"] for a, b in zip(words, words[1:]))
