@@ -109,14 +109,15 @@ def stamp_way_back(chunk: AudioChunk, made_at_s: float, received_at_s: float) ->
 
 
 def join_chunks(chunks: list[AudioChunk]) -> AudioChunk:
-    """Consecutive chunks of one stream as one: samples and text in order, every timing kept,
-    the last one's usage (a final chunk's)."""
+    """Consecutive chunks of one stream as one: samples, text and words in order, every timing
+    kept, the last one's usage (a final chunk's)."""
     timings: dict[str, float] = {}
     for chunk in chunks:
         timings.update(chunk.timings_s)
     return AudioChunk(chunks[0].request_id, np.concatenate([c.samples for c in chunks]),
                       chunks[0].sample_rate_hz, text="".join(c.text for c in chunks),
-                      final=chunks[-1].final, timings_s=timings, usage=chunks[-1].usage)
+                      final=chunks[-1].final, timings_s=timings, usage=chunks[-1].usage,
+                      words=tuple(word for chunk in chunks for word in chunk.words))
 
 
 class EngineClient:

@@ -73,7 +73,7 @@ def test_the_engine_reports_itself_and_answers_calls(client: EngineClient) -> No
 
 
 def test_a_reader_that_falls_behind_gets_the_waiting_chunks_joined(client: EngineClient) -> None:
-    request = SpeechRequest("late", TEXT * 3, seed=1)
+    request = SpeechRequest("late", TEXT * 3, seed=1, word_times=True)
 
     async def in_process() -> list[AudioChunk]:  # the same engine, read chunk by chunk
         engine = create_engine("piper", {"intra_op_threads": 1, "first_piece_phonemes": 40})
@@ -103,6 +103,8 @@ def test_a_reader_that_falls_behind_gets_the_waiting_chunks_joined(client: Engin
     np.testing.assert_array_equal(np.concatenate([c.samples for c in late]),
                                   np.concatenate([c.samples for c in chunks]))
     assert "".join(c.text for c in late) == "".join(c.text for c in chunks)
+    words = [word for c in chunks for word in c.words]
+    assert words and [word for c in late for word in c.words] == words  # and the words
 
 
 def test_inbox_never_joins_past_a_final_chunk_or_an_error() -> None:

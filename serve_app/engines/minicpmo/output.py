@@ -40,6 +40,13 @@ def send(outbox: Outbox, stream: Stream, item: object) -> None:
     outbox.put(stream.sink, stream.request_id, item)
 
 
+def next_text(stream: Stream) -> str | None:
+    """The text the TTS reads next: its next piece, "" when none will come, None if unknown."""
+    if stream.pieces:
+        return stream.pieces[0]
+    return "" if stream.text_done else None
+
+
 def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = False) -> None:
     """Send ``samples`` with the text spoken since the last chunk (empty chunks only if final;
     the final one carries the stream's usage)."""
@@ -58,7 +65,7 @@ def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = Fals
         stream.schedule.text_since_emit = ""
     stream.chunks_sent += 1
     words = () if stream.words is None else stream.words.chunk(
-        text, len(samples), stream.text_done and not stream.pieces)
+        text, len(samples), next_text(stream))
     send(outbox, stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),
                             SAMPLE_RATE_HZ, text=text, final=final, timings_s=timings,
                             usage=stream_usage(stream) if final else None, words=words))

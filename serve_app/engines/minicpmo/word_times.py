@@ -5,9 +5,8 @@ The schedule hands the TTS its text a piece at a time (a few tokens; :mod:`.spee
 and each generate call's audio leaves with the text accepted since the previous chunk
 (``AudioChunk.text``, :func:`.output.emit`). So a chunk's audio is the first the model made with
 that text in its context. :class:`ReleasedWords` gives each word to the chunk with which its last
-character was released (a word cut between two pieces waits for its rest, unless the stream's
-text is all released) and spreads a chunk's words over its audio in proportion to their
-characters.
+character was released (a word cut between two pieces waits for its rest) and spreads a chunk's
+words over its audio in proportion to their characters.
 
 What that measures is the release, not the speech: no word can be heard before its text
 reaches the model, but the model reads ahead of its audio, so the word may be spoken in that
@@ -30,13 +29,17 @@ class ReleasedWords:
         self._waiting = ""  # released text whose last word may not be complete yet
         self._samples = 0  # audio already sent
 
-    def chunk(self, text: str, samples: int, all_released: bool) -> tuple[WordTime, ...]:
+    def chunk(self, text: str, samples: int, following: str | None) -> tuple[WordTime, ...]:
         """The words of a chunk of ``samples`` samples sent with ``text`` (the text released
-        since the last chunk); ``all_released``: the stream's text has all reached the model
-        (a stream cut short keeps a word it got only part of to itself)."""
+        since the last chunk). ``following``: the text that comes next ("" when there is none,
+        None when it is not known yet): a last word it does not continue is complete; a stream
+        cut short keeps a word it got only part of to itself."""
         released = self._waiting + text
-        cut = len(released) if all_released else next(
-            (i for i in range(len(released) - 1, -1, -1) if released[i].isspace()), 0)
+        if following is not None and (following == "" or following[0].isspace()):
+            cut = len(released)
+        else:
+            cut = next((i for i in range(len(released) - 1, -1, -1)
+                        if released[i].isspace()), 0)
         complete, self._waiting = released[:cut], released[cut:]
         words = split_words(complete)
         start = self._samples

@@ -69,7 +69,11 @@ def test_streamed_text_and_refusals(engine) -> None:
 
 def test_a_word_cut_between_pieces_waits_for_its_rest() -> None:
     clock = ReleasedWords(100)
-    assert clock.chunk("Hello wor", 100, all_released=False)[0].word == "Hello"
-    [world, again] = clock.chunk("ld again", 50, all_released=True)
-    assert (world.word, world.start_s, again.end_s) == ("world", 1.0, 1.5)
-    assert clock.chunk("", 0, all_released=True) == ()
+    [hello] = clock.chunk("Hello wor", 100, following="ld again")
+    assert (hello.word, hello.start_s, hello.end_s) == ("Hello", 0.0, 1.0)
+    [world] = clock.chunk("ld", 50, following=" again")  # "world" ends where " again" begins
+    assert (world.word, world.start_s, world.end_s) == ("world", 1.0, 1.5)
+    assert clock.chunk(" ag", 50, following="ain") == ()
+    assert clock.chunk("ain", 50, following=None) == ()  # more text may still come
+    [again] = clock.chunk("", 0, following="")
+    assert again.word == "again"
