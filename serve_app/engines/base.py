@@ -145,16 +145,16 @@ class AudioChunk:
         samples = np.ascontiguousarray(self.samples, dtype=np.float32).reshape(-1)
         return (_chunk_from_fields, (
             self.request_id, pickle.PickleBuffer(samples) if protocol >= 5 else samples,
-            self.sample_rate_hz, self.text, self.final, self.timings_s, self.usage))
+            self.sample_rate_hz, self.text, self.final, self.timings_s, self.usage, self.words))
 
 
 def _chunk_from_fields(request_id: str, samples: object, sample_rate_hz: int, text: str,
-                       final: bool, timings_s: dict[str, float],
-                       usage: StreamUsage | None) -> AudioChunk:
+                       final: bool, timings_s: dict[str, float], usage: StreamUsage | None,
+                       words: tuple[WordTime, ...] = ()) -> AudioChunk:
     """An AudioChunk from what :meth:`AudioChunk.__reduce_ex__` pickled (its samples a view of
     the buffer unpickled, so writable where that is)."""
     return AudioChunk(request_id, np.frombuffer(samples, np.float32), sample_rate_hz, text,
-                      final, timings_s, usage)
+                      final, timings_s, usage, words)
 
 
 @dataclass

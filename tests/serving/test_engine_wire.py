@@ -16,6 +16,7 @@ import pytest
 from ray import cloudpickle
 
 from serve_app.engines.base import AudioChunk, InvalidRequestError, RequestAbortedError
+from serve_app.engines.words import WordTime
 from serve_app.gpu import engine_wire
 from serve_app.gpu.engine_protocol import Call, Outputs, Reply
 from serve_app.messages import StreamUsage
@@ -53,7 +54,9 @@ def a_step(chunks: int = 150, seed: int = 0) -> list[tuple[str, object]]:
             size = 0 if index % 40 == 5 else int(rng.integers(9_000, 11_000))
             items.append((request_id, AudioChunk(
                 request_id, rng.uniform(-1, 1, size).astype(np.float32), RATE_HZ,
-                text="words " * (index % 3), timings_s={"ttfb_s": 0.02} if index < 4 else {})))
+                text="words " * (index % 3), timings_s={"ttfb_s": 0.02} if index < 4 else {},
+                words=tuple(WordTime("words", index + n / 3, index + (n + 1) / 3)
+                            for n in range(index % 3)))))
     return items
 
 
@@ -65,8 +68,8 @@ def assert_same_items(received: list, sent: list) -> None:
             assert got.samples.dtype == np.float32
             np.testing.assert_array_equal(got.samples, want.samples)
             assert (got.request_id, got.sample_rate_hz, got.text, got.final, got.timings_s,
-                    got.usage) == (want.request_id, want.sample_rate_hz, want.text, want.final,
-                                   want.timings_s, want.usage)
+                    got.usage, got.words) == (want.request_id, want.sample_rate_hz, want.text,
+                                              want.final, want.timings_s, want.usage, want.words)
         else:
             assert str(got) == str(want)
 
@@ -148,14 +151,16 @@ def test_a_closed_socket_ends_the_reader() -> None:
 def test_a_chunk_pickles_whole_at_any_protocol(dumps) -> None:
     samples = np.linspace(-1, 1, 1001, dtype=np.float32)
     for chunk in (AudioChunk("a", samples, RATE_HZ, text="hi", final=True,
-                             timings_s={"ttfb_s": 0.1}, usage=StreamUsage(3, 4)),
+                             timings_s={"ttfb_s": 0.1}, usage=StreamUsage(3, 4),
+                             words=(WordTime("hi", 0.01, 0.02),)),
                   AudioChunk("b", samples[::2], RATE_HZ),  # a strided view
                   AudioChunk("c", samples.astype(np.float64), RATE_HZ)):  # float32 on the way
         back = pickle.loads(dumps(chunk))
         assert back.samples.dtype == np.float32 and back.samples.flags.writeable
         np.testing.assert_array_equal(back.samples, chunk.samples.astype(np.float32))
-        assert (back.request_id, back.text, back.final, back.timings_s, back.usage) == (
-            chunk.request_id, chunk.text, chunk.final, chunk.timings_s, chunk.usage)
+        assert (back.request_id, back.text, back.final, back.timings_s, back.usage,
+                back.words) == (chunk.request_id, chunk.text, chunk.final, chunk.timings_s,
+                                chunk.usage, chunk.words)
 
 
 def test_a_deep_copied_chunk_has_samples_of_its_own() -> None:

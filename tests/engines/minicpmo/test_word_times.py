@@ -11,20 +11,14 @@ import pytest
 from serve_app.engines.base import LengthControls, SpeechRequest
 from serve_app.engines.minicpmo.word_times import ReleasedWords
 from serve_app.engines.words import split_words
-from tests.engines.minicpmo.tiny_engine import tiny_engine
+from tests.engines.minicpmo.tiny_engine import module_engine
 
 TEXT = ("Word times follow the text as it reaches the model, piece by piece. "
         "A second sentence gives the schedule another call or two.")
 FRAMES = LengthControls(audio_frames=120)  # random weights never stop by themselves
 
 pytestmark = pytest.mark.timeout(900)  # guards against a hang only; nothing here is timed
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    engine = tiny_engine(tiny_checkpoint, max_slots=2, max_chat_slots=1)
-    yield engine
-    engine.close()
+engine = module_engine(max_slots=2, max_chat_slots=1)
 
 
 async def _chunks(engine, request: SpeechRequest) -> list:

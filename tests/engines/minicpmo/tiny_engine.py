@@ -15,3 +15,17 @@ def tiny_engine(checkpoint, max_slots: int, max_chat_slots: int) -> MiniCPMOEngi
                             tts_max_positions=1024, llm_max_positions=256,
                             tts_sampling="greedy", keep_traces=True)
     return MiniCPMOEngine(model, options)
+
+
+def module_engine(max_slots: int, max_chat_slots: int):
+    """A module-scoped pytest fixture: :func:`tiny_engine` on the session's tiny checkpoint,
+    closed after the module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def engine(tiny_checkpoint):
+        engine = tiny_engine(tiny_checkpoint, max_slots=max_slots, max_chat_slots=max_chat_slots)
+        yield engine
+        engine.close()
+
+    return engine
