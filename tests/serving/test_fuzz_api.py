@@ -90,6 +90,9 @@ def test_fuzzed_openai_speech_fields_sse_and_instructions(server: Server) -> Non
                      "input": case.body["input"][:100]}
         if len(case.body.get("instructions") or "") % 2:
             del case.body["instructions"]  # half the cases without: those must stream
+        if case.body.get("stream_format") != "sse":
+            # word times travel in SSE events; their 400 without SSE is test_speech_events'
+            case.body.pop("timestamp_granularities", None)
         return case
 
     def explicit(**fields: object) -> schemathesis.Case:
