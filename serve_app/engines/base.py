@@ -138,10 +138,9 @@ class AudioChunk:
         return len(self.samples) / float(self.sample_rate_hz)
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple:
-        """Pickled as its fields with the samples as one float32 buffer (protocol 5: a
-        ``PickleBuffer``, out of band where the pickler takes buffers, as the engine process's
-        wire does): a third of the work of pickling the dataclass with its array, paid per
-        chunk on the engine's step thread and at every hop."""
+        """Pickled as its fields, the samples one float32 buffer (a ``PickleBuffer`` from
+        protocol 5: out of band on the engine wire): a third of the dataclass's pickling work,
+        paid per chunk on the engine's step thread and at every hop."""
         samples = np.ascontiguousarray(self.samples, dtype=np.float32).reshape(-1)
         return (_chunk_from_fields, (
             self.request_id, pickle.PickleBuffer(samples) if protocol >= 5 else samples,
@@ -389,14 +388,13 @@ def refuse_unsupported(engine: object, request: SpeechRequest) -> None:
 
     Raises :class:`InvalidRequestError` naming the API parameter.
     """
-    if request.word_times and not getattr(engine, "times_words", False):
-        name = getattr(engine, "model_id", type(engine).__name__)
-        raise InvalidRequestError(
-            f"the {name} engine cannot time words (leave timestamp_granularities out)",
-            "timestamp_granularities", code="unsupported_parameter")
-    if request.system_prompt and not getattr(engine, "follows_instructions", False):
-        name = getattr(engine, "model_id", type(engine).__name__)
-        raise InvalidRequestError(
-            f"the {name} engine cannot follow instructions: it has one fixed speaking style "
-            "(leave instructions out, or deploy the minicpmo engine)", "instructions",
-            code="unsupported_parameter")
+    name = getattr(engine, "model_id", type(engine).__name__)
+    for asked, able, param, why in (
+            (request.word_times, "times_words", "timestamp_granularities",
+             "cannot time words (leave timestamp_granularities out)"),
+            (request.system_prompt, "follows_instructions", "instructions",
+             "cannot follow instructions: it has one fixed speaking style (leave instructions "
+             "out, or deploy the minicpmo engine)")):
+        if asked and not getattr(engine, able, False):
+            raise InvalidRequestError(f"the {name} engine {why}", param,
+                                      code="unsupported_parameter")
