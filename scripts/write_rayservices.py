@@ -84,6 +84,7 @@ class GpuProfile:
 GPU_PROFILES = (
     GpuProfile("serve_config.yaml", "rayservice.yaml", "tts", 8, 64),
     GpuProfile("serve_config.chat.yaml", "rayservice.chat.yaml", "tts-chat", 8, 64),
+    GpuProfile("serve_config.h200.yaml", "rayservice.h200.yaml", "tts-h200", 8, 64),
     GpuProfile("serve_config.a10g.yaml", "rayservice.a10g.yaml", "tts-a10g", 7, 28),
 )
 
