@@ -385,25 +385,26 @@ def main(argv: list[str] | None = None) -> int:
         rows, load_t0 = run_load(base_url, times, args, work)
         time.sleep(2 * WINDOW_S)
         poller.stop()
+        # Written before the service stops: a run cut short in its teardown keeps its result.
+        result = {"gpu": gpu_name(), "gpus": args.gpus, "replica_gpus": args.replica_gpus,
+                  "git_commit": git_commit(), "policy": POLICY,
+                  "command": " ".join(["scripts/bench_autoscale", *sys.argv[1:]]),
+                  "load": {k: getattr(args, k) for k in (
+                      "peak_streams", "low_streams", "ramp_up_s", "hold_s", "ramp_down_s",
+                      "low_s", "audio_seconds", "max_slots", "gpu_memory_gb", "upscale_delay_s",
+                      "downscale_delay_s")},
+                  "served_config": config,
+                  **summarize(rows, poller.samples, load_t0, poller.t0, args,
+                              args.log.read_text(errors="replace") if args.log.exists() else ""),
+                  "raw_samples": poller.samples}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}", flush=True)
     finally:
         stop_service(service)
-    result = {"gpu": gpu_name(), "gpus": args.gpus, "replica_gpus": args.replica_gpus,
-              "git_commit": git_commit(), "policy": POLICY,
-              "command": " ".join(["scripts/bench_autoscale", *sys.argv[1:]]),
-              "load": {k: getattr(args, k) for k in (
-                  "peak_streams", "low_streams", "ramp_up_s", "hold_s", "ramp_down_s", "low_s",
-                  "audio_seconds", "max_slots", "gpu_memory_gb", "upscale_delay_s",
-                  "downscale_delay_s")},
-              "served_config": config,
-              **summarize(rows, poller.samples, load_t0, poller.t0, args,
-                          args.log.read_text(errors="replace") if args.log.exists() else ""),
-              "raw_samples": poller.samples}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items()
                       if k not in ("replicas_timeline", "served_config", "raw_samples")}, indent=2))
-    print(f"wrote {args.out}")
     return 0
 
 
