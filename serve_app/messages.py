@@ -6,6 +6,7 @@ A stream's failure travels in-band as a :class:`serve_app.errors.ApiError`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.engines.base import SpeechRequest
 # A stream's usage is counted by its engine (on the final chunk); the front reads it from here.
@@ -44,9 +45,11 @@ class EncodedChunk:
 @dataclass(frozen=True)
 class TextInputOpen:
     """A streamed-input request is in the engine of the Synthesizer replica ``replica_id``:
-    its text goes there through ``feed_text`` (see :mod:`serve_app.gpu.routing`)."""
+    its text goes to ``text_inbox``, the handle of that replica's
+    :class:`~serve_app.gpu.text_inbox.TextInbox` (a Ray actor), through ``put``."""
 
     replica_id: str
+    text_inbox: Any
 
 
 @dataclass(frozen=True)

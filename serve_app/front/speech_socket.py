@@ -40,7 +40,6 @@ from serve_app.front.events import chunk_fields, error_event, stream_error_event
 from serve_app.front.guard import KeyRing, StreamAdmission
 from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
-from serve_app.gpu.routing import PIN_KEYWORD
 from serve_app.front.schemas import MAX_INSTRUCTIONS_CHARS, TimestampGranularities, no_nul
 from serve_app.front.socket_channel import (
     CLOSE_ERROR,
@@ -93,6 +92,7 @@ class SpeechSession(SocketChannel):
         self.engine_info = state.engine_info  # the Ingress's (cached after its first answer)
         self.key: str | None = None  # the API key's log label, once authenticated
         self.replica_id: str | None = None
+        self.text_inbox: Any = None  # the stream's replica's TextInbox (a Ray actor handle)
         self.upstream: Any = None  # the synthesizer stream: cancelled when the session ends
         self.text_chars = 0
         self.input_done = False
@@ -162,7 +162,7 @@ class SpeechSession(SocketChannel):
             logger.error("session %s: stream opened without its replica", self.request_id)
             raise SessionEnd(error_event("speech synthesis failed", "synthesis_failed"),
                              CLOSE_ERROR)
-        self.replica_id = first.replica_id
+        self.replica_id, self.text_inbox = first.replica_id, first.text_inbox
         if start.timestamp_granularities:
             self.words_sent = []
         return pieces
@@ -227,17 +227,18 @@ class SpeechSession(SocketChannel):
             await self.feed(text)
 
     async def feed(self, delta: str, done: bool = False) -> None:
-        """Send text to the stream's replica; its refusal is an error event, a lost replica
-        ends the session."""
-        call = self.synthesizer.feed_text.remote(self.request_id, delta, done,
-                                                 **{PIN_KEYWORD: self.replica_id})
+        """Send text to the stream's replica, through its text inbox: a plain Ray actor call,
+        which Serve neither queues nor refuses when the replica is full or drains
+        (:mod:`serve_app.gpu.text_inbox`). The engine's refusal is an error event; a lost
+        replica ends the session."""
+        call = self.text_inbox.put.remote(self.request_id, delta, done)
         try:
             refused = await asyncio.wait_for(call, self.api.handle_timeout_s)
         except Exception as exc:
-            if is_cancellation(exc):  # the session is ending: Serve cancelled the call
+            if is_cancellation(exc):  # the session is ending
                 raise as_cancellation(exc) from exc
-            logger.error("session %s: text not delivered (%s)", self.request_id,
-                         type(exc).__name__)
+            logger.error("session %s: text not delivered to replica %s (%s)", self.request_id,
+                         self.replica_id, type(exc).__name__)
             raise SessionEnd(error_event("the speech stream is gone", "stream_lost",
                                          "service_unavailable"), CLOSE_ERROR) from None
         if isinstance(refused, ApiError):

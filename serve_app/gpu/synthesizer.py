@@ -5,8 +5,10 @@ replica does for Ray and HTTP (relaying chunks, pickling them, metrics) competes
 engine's step thread for the GIL; :class:`~serve_app.gpu.engine_client.EngineClient` is this side.
 
 The jobs around the streams live beside this module: admission in batches
-(:mod:`serve_app.gpu.admission`), cloned voices (:mod:`serve_app.gpu.replica_voices`), the engine's
-gauges, autoscaling signals and death (:mod:`serve_app.gpu.engine_watch`).
+(:mod:`serve_app.gpu.admission`), cloned voices (:mod:`serve_app.gpu.replica_voices`), the text
+of streamed-input requests, which comes through a Ray actor of this replica's, never through
+Serve (:mod:`serve_app.gpu.text_inbox`), the engine's gauges, autoscaling signals and death
+(:mod:`serve_app.gpu.engine_watch`).
 
 A stream's usage is counted by its engine and comes on its final chunk; this replica relays it
 after that chunk as a :class:`~serve_app.messages.StreamUsage`.
@@ -42,7 +44,7 @@ from serve_app.gpu.engine_client import (
 )
 from serve_app.gpu.engine_watch import EngineWatch, exit_soon, rss_bytes
 from serve_app.gpu.replica_voices import ReplicaVoices
-from serve_app.gpu.routing import ROUTER_PATH
+from serve_app.gpu.text_inbox import InboxReader, start_inbox
 from serve_app.hops import StreamTimeout, within
 from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
 from serve_app.observability.logs import use_replica_log
@@ -58,8 +60,7 @@ StreamItem = AudioChunk | ApiError | StreamUsage | TextInputOpen
 # Bounded queue: beyond max_queued_requests the caller gets BackPressureError (503).
 @serve.deployment(name="Synthesizer", max_ongoing_requests=64, max_queued_requests=64,
                   health_check_period_s=10, graceful_shutdown_timeout_s=90,
-                  ray_actor_options={"num_cpus": 0.5},
-                  request_router_config={"request_router_class": ROUTER_PATH})
+                  ray_actor_options={"num_cpus": 0.5})
 class Synthesizer:
     """Loads and warms the engine in ``__init__``; Serve routes nothing here before that ends.
 
@@ -81,8 +82,10 @@ class Synthesizer:
         self._chunk_timeout_s = chunk_timeout_s
         self._drain_timeout_s = drain_timeout_s
         self._in_flight = 0
+        inbox = start_inbox()  # its process starts while the engine loads
         # Loaded and warmed up in its own process before this returns.
         self._engine = EngineClient.start(engine, engine_options, on_death=exit_soon)
+        self._text = InboxReader(inbox, self._engine)
         self._voices = ReplicaVoices(self._engine, VoiceStore(voice_store))
         self._watch = EngineWatch(self._engine)
         self._admission = BatchedAdmission(self._engine, first_chunk_timeout_s)
@@ -97,7 +100,8 @@ class Synthesizer:
     async def synthesize(self, request: SpeechRequest) -> AsyncIterator[StreamItem]:
         """Stream one request's chunks, then its StreamUsage (from the final chunk); a rejected
         or failed request ends with an ApiError instead. A streamed-input request first gets a
-        TextInputOpen naming this replica, where its text goes (:meth:`feed_text`).
+        TextInputOpen with this replica's text inbox, where its text goes
+        (:mod:`serve_app.gpu.text_inbox`).
 
         The engine validates the request when its batch is submitted (once, touching nothing if
         it refuses); a refusal is this stream's only item.
@@ -158,7 +162,9 @@ class Synthesizer:
             yield admitted
             return
         if request.text_input == "streamed":  # in the engine: the caller may feed text now
-            yield TextInputOpen(serve.get_replica_context().replica_id.unique_id)
+            self._text.start()
+            yield TextInputOpen(serve.get_replica_context().replica_id.unique_id,
+                                self._text.inbox)
         async for chunk in admitted:
             yield chunk
 
@@ -167,20 +173,6 @@ class Synthesizer:
         engine, for the ingress to store; an ApiError if the engine refuses the clip or cannot
         clone voices at all."""
         return await self._voices.embed(samples, sample_rate_hz)
-
-    async def feed_text(self, request_id: str, delta: str, done: bool = False, *,
-                        pinned_replica: str) -> ApiError | None:
-        """Append text to a streamed-input request of this replica's engine (routed here by
-        :class:`~serve_app.gpu.routing.PinnedReplicaRouter`); a refusal comes back as an ApiError."""
-        if pinned_replica != serve.get_replica_context().replica_id.unique_id:
-            logger.error("request %s: text for replica %s reached another", request_id,
-                         pinned_replica)
-            return ApiError(503, "the stream's replica is gone", code="stream_lost")
-        try:
-            await self._engine.feed_text(request_id, delta, done)
-        except (InvalidRequestError, EngineDeadError) as exc:
-            return refused(request_id, exc)
-        return None
 
     def ready(self) -> bool:
         return self._ready
@@ -191,9 +183,12 @@ class Synthesizer:
         return self._watch.autoscaling_stats()
 
     def check_health(self) -> None:
-        """Serve's health check: a replica whose engine process died is replaced."""
+        """Serve's health check: a replica whose engine process or text inbox died is
+        replaced."""
         if not self._engine.alive:
             raise RuntimeError("the engine process is gone")
+        if not self._text.alive:
+            raise RuntimeError("the text inbox is gone")
 
     async def info(self) -> EngineInfo:
         """The engine's facts and the voices it holds now. It also lists the stored voices it
@@ -223,6 +218,7 @@ class Synthesizer:
             await asyncio.sleep(0.1)
         if self._in_flight:
             logger.warning("shutting down with %d streams still active", self._in_flight)
+        self._text.stop()
         await asyncio.to_thread(engine.close)
 
 

@@ -244,18 +244,46 @@ def synthesizer_replica_ids() -> list[str]:
             if actor["name"].startswith(prefix)]
 
 
-def test_pinned_calls_reach_only_their_replica(two_replicas: Server) -> None:
+def open_streamed(handle, request_id: str):
+    """A streamed-input request opened on some replica through the handle: its TextInputOpen
+    and the rest of its stream."""
+    from serve_app.engines.base import SpeechRequest
+    from serve_app.messages import TextInputOpen
+
+    stream = handle.synthesize.options(stream=True).remote(
+        SpeechRequest(request_id=request_id, text="", text_input="streamed"))
+    first = next(stream)
+    assert isinstance(first, TextInputOpen), first
+    return first, stream
+
+
+def test_each_replica_takes_text_through_its_own_inbox(two_replicas: Server) -> None:
+    import ray
     from ray import serve
 
+    from serve_app.engines.base import AudioChunk
+    from serve_app.engines.text_rule import MAX_TEXT_CHARS
+
     handle = serve.get_deployment_handle("Synthesizer", app_name=PINNED_APP)
-    replica_ids = synthesizer_replica_ids()
-    assert len(replica_ids) == 2
-    for replica_id in replica_ids:
-        for _ in range(8):
-            refused = handle.feed_text.remote("no-such-stream", "text",
-                                              pinned_replica=replica_id).result(timeout_s=60)
-            # The replica's own engine answered (a wrong replica would say stream_lost).
-            assert refused.code == "unknown_stream", refused
+    inboxes: dict[str, Any] = {}
+    text = "Text put straight into the replica's inbox."
+    for n in range(40):
+        opened, stream = open_streamed(handle, f"inbox-{n}")
+        assert ray.get(opened.text_inbox.put.remote(f"inbox-{n}", text), timeout=60) is None
+        # The engine's refusal comes back as the answer, the stream goes on.
+        refused = ray.get(opened.text_inbox.put.remote(f"inbox-{n}", "x" * MAX_TEXT_CHARS),
+                          timeout=60)
+        assert refused.code == "text_too_long", refused
+        assert ray.get(opened.text_inbox.put.remote(f"inbox-{n}", "", True), timeout=60) is None
+        chunks = [item for item in stream if isinstance(item, AudioChunk)]
+        assert chunks[-1].final and chunks[-1].usage.input_tokens == len(text)
+        inboxes[opened.replica_id] = opened.text_inbox
+        if len(inboxes) == 2:
+            break
+    assert sorted(inboxes) == sorted(synthesizer_replica_ids())
+    for inbox in inboxes.values():
+        refused = ray.get(inbox.put.remote("no-such-stream", "text"), timeout=60)
+        assert refused.code == "unknown_stream", refused
 
 
 def test_sessions_spread_over_replicas_all_get_their_text(two_replicas: Server) -> None:
@@ -303,3 +331,142 @@ def test_the_voice_agent_example_cuts_in_and_prints_the_words_heard(
     [heard] = [line for line in lines if line.startswith("cut in after 1.5 s; heard: ")]
     spoken = heard.split("heard: ", 1)[1].strip("'\"")
     assert spoken and BARGE_IN_TEXT.startswith(spoken) and len(spoken) < len(BARGE_IN_TEXT)
+
+
+# ---- a full or draining Synthesizer replica still takes the text of its open streams --------
+
+SMALL_APP, SMALL_PREFIX, SMALL_SYNTH_APP = "small", "/small", "small-synth"
+SMALL_MAX_ONGOING = 2
+# Waits long enough that a stream waiting for text is never cut by a timeout in these tests.
+PATIENT_S = 600
+FULL_TEXT = "The replica is full, yet this session's words still reach its engine and are spoken."
+
+
+def deploy_small_synthesizer() -> None:
+    """One Synthesizer replica that takes SMALL_MAX_ONGOING requests at once, as an app of its
+    own: deploying it again replaces the replica (Serve gives every ``serve.run`` a new
+    version), and the old one drains, while the Ingress (another app) stays."""
+    from ray import serve
+
+    from serve_app.gpu.synthesizer import Synthesizer
+
+    synthesizer = Synthesizer.options(
+        num_replicas=1, max_ongoing_requests=SMALL_MAX_ONGOING, graceful_shutdown_timeout_s=300,
+        ray_actor_options={"num_cpus": 0.1},
+    ).bind("piper", {"intra_op_threads": 1, "max_batch_size": 4},
+           first_chunk_timeout_s=PATIENT_S, chunk_timeout_s=PATIENT_S)
+    serve.run(synthesizer, name=SMALL_SYNTH_APP, route_prefix=None)
+
+
+@pytest.fixture(scope="module")
+def small_app(server: Server) -> Server:
+    """An Ingress that waits PATIENT_S for text and audio, in front of the small Synthesizer."""
+    from ray import serve
+
+    from serve_app.config import ApiConfig
+    from serve_app.front.ingress import Ingress
+
+    deploy_small_synthesizer()
+    api = ApiConfig(api_key=server.api_key, ws_idle_timeout_s=PATIENT_S, handle_timeout_s=10,
+                    first_chunk_timeout_s=PATIENT_S, chunk_timeout_s=PATIENT_S)
+    synthesizer = serve.get_deployment_handle("Synthesizer", app_name=SMALL_SYNTH_APP)
+    ingress = Ingress.options(ray_actor_options={"num_cpus": 0.05}).bind(synthesizer,
+                                                                         api.model_dump())
+    serve.run(ingress, name=SMALL_APP, route_prefix=SMALL_PREFIX)
+    app = Server(base_url=f"{server.base_url}{SMALL_PREFIX}", api_key=server.api_key,
+                 metrics_url=server.metrics_url, voice_store=server.voice_store)
+    wait_ready(app.base_url, "the small app")
+    yield app
+    serve.delete(SMALL_APP)
+    serve.delete(SMALL_SYNTH_APP)
+
+
+def feed_all(socket: ClientConnection, text: str) -> None:
+    for word in text.split(" "):
+        send(socket, "input_text.delta", delta=word + " ")
+    send(socket, "input_text.done")
+
+
+def assert_spoken_whole(events: list[dict[str, Any]], audio: bytes, chars: int) -> None:
+    assert not [e for e in events if e["type"] == "error"], events
+    assert events[-1]["type"] == "response.done", events[-1]
+    assert events[-1]["usage"]["input_tokens"] == chars  # every delta reached the engine
+    assert len(audio) > 24000
+
+
+def test_text_reaches_a_replica_at_max_ongoing_requests(small_app: Server) -> None:
+    """Every stream takes one of the replica's max_ongoing_requests: with two sessions open the
+    replica is full, and the text of both still gets in."""
+    texts = [FULL_TEXT, "A second session holds the other slot and speaks after the first."]
+    with open_socket(small_app) as first, open_socket(small_app) as second:
+        start(first)
+        start(second)  # both streams are in the engine: the replica is at capacity
+        feed_all(first, texts[0])
+        events, audio = drain(first)
+        assert_spoken_whole(events, audio, len(texts[0]) + 1)  # each word plus a space
+        feed_all(second, texts[1])
+        events, audio = drain(second)
+        assert_spoken_whole(events, audio, len(texts[1]) + 1)
+
+
+def synthesizer_replica_states(app_name: str) -> dict[str, int]:
+    from ray import serve
+
+    deployment = serve.status().applications[app_name].deployments["Synthesizer"]
+    return {getattr(state, "value", state): count
+            for state, count in deployment.replica_states.items()}
+
+
+def test_a_draining_replica_still_takes_the_text_of_its_sessions(small_app: Server) -> None:
+    """A new deployment replaces the replica while a session still sends text: the old replica
+    drains, finishing its open streams, and their text keeps reaching it."""
+    words = FULL_TEXT.split(" ")
+    half = len(words) // 2
+    with open_socket(small_app) as socket:
+        start(socket)
+        for word in words[:half]:
+            send(socket, "input_text.delta", delta=word + " ")
+        assert receive_event(socket)["type"] == "audio.chunk"  # the stream runs
+        redeploy = threading.Thread(target=deploy_small_synthesizer)
+        redeploy.start()
+        deadline = time.monotonic() + 300
+        while not synthesizer_replica_states(SMALL_SYNTH_APP).get("STOPPING"):
+            assert time.monotonic() < deadline, "the old replica never started to drain"
+            time.sleep(0.2)
+        # The old replica drains (it finishes its streams; Serve routes nothing new to it).
+        # Give every router a moment to take it off its list, as a later text would meet.
+        time.sleep(2)
+        feed_all(socket, " ".join(words[half:]))
+        events, audio = drain(socket)
+        redeploy.join(timeout=300)
+    assert not redeploy.is_alive()
+    assert_spoken_whole(events, audio, len(FULL_TEXT) + 1)
+
+
+def test_a_gone_replica_ends_its_sessions_with_an_error_and_its_inbox_dies_with_it(
+        small_app: Server) -> None:
+    """Killed, the replica takes its inbox along: text put there raises at once, and an open
+    session ends with an error event (whichever of its text or its audio notices first)."""
+    import ray
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    handle = serve.get_deployment_handle("Synthesizer", app_name=SMALL_SYNTH_APP)
+    opened, stream = open_streamed(handle, "doomed")
+    prefix = f"SERVE_REPLICA::{SMALL_SYNTH_APP}#Synthesizer#"
+    [name] = [actor["name"] for actor in ray.util.list_named_actors(True)
+              if actor["name"] == prefix + opened.replica_id]
+    with open_socket(small_app) as socket:
+        start(socket)  # its stream is on the same, only replica
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        with pytest.raises(RayActorError):
+            ray.get(opened.text_inbox.put.remote("doomed", "Nobody hears this."), timeout=120)
+        try:
+            feed_all(socket, FULL_TEXT)
+        except ConnectionClosed:
+            pass  # the session already ended
+        events, _ = drain(socket)
+    assert events[-1]["type"] == "error", events[-1]
+    assert events[-1]["error"]["code"] in ("stream_lost", "synthesis_unavailable",
+                                           "stream_cut"), events[-1]
+    del stream
