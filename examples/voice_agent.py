@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--words-per-s", type=float, default=8.0,
                         help="typing pace (an LLM streams about 5-15 words per second)")
     parser.add_argument("--voice", default="alloy")
-    parser.add_argument("--format", default="pcm", choices=["pcm", "wav", "mp3", "opus", "flac"])
+    parser.add_argument("--format", default="pcm",
+                        choices=["pcm", "wav", "mp3", "opus", "aac", "flac"])
     parser.add_argument("--sample-rate", type=int, default=24000)
     parser.add_argument("--api-key")
     parser.add_argument("--out", default="agent.pcm")
