@@ -11,7 +11,7 @@ for S seconds played) it sends ``cancel`` with ``played_s`` and prints the ``spo
 service answers with: the words heard, which an agent keeps in its history.
 
     python examples/voice_agent.py --url ws://localhost:8000/v1/audio/speech/stream \\
-        --text-file speech.txt --words-per-s 8 --out agent.pcm [--api-key KEY] \\
+        --text-file /tmp/speech.txt --words-per-s 8 --out /tmp/agent.pcm [--api-key KEY] \\
         [--words] [--barge-in-s 1.5]
 """
 
