@@ -11,7 +11,7 @@ for S seconds played) it sends ``cancel`` with ``played_s`` and prints the ``spo
 service answers with: the words heard, which an agent keeps in its history.
 
     python examples/voice_agent.py --url ws://localhost:8000/v1/audio/speech/stream \\
-        --text-file speech.txt --words-per-s 8 --out agent.pcm [--api-key KEY] \\
+        --text-file /tmp/speech.txt --words-per-s 8 --out /tmp/agent.pcm [--api-key KEY] \\
         [--words] [--barge-in-s 1.5]
 """
 
@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--words-per-s", type=float, default=8.0,
                         help="typing pace (an LLM streams about 5-15 words per second)")
     parser.add_argument("--voice", default="alloy")
-    parser.add_argument("--format", default="pcm", choices=["pcm", "wav", "mp3", "opus", "flac"])
+    parser.add_argument("--format", default="pcm",
+                        choices=["pcm", "wav", "mp3", "opus", "aac", "flac"])
     parser.add_argument("--sample-rate", type=int, default=24000)
     parser.add_argument("--api-key")
     parser.add_argument("--out", default="agent.pcm")

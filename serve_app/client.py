@@ -64,7 +64,7 @@ def live_audio_s(audio_format: str, size: int, sample_rate_hz: int) -> float | N
 
 
 def decoded_audio_s(data: bytes) -> float | None:
-    """Seconds of audio in a complete mp3/opus/flac stream, by decoding it."""
+    """Seconds of audio in a complete mp3/opus/aac/flac stream, by decoding it."""
     try:
         samples, rate = read_stream(data)
     except Exception:  # an undecodable stream just has no duration to report

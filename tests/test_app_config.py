@@ -14,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from serve_app.app import build_app
-from serve_app.config import AppArgs
+from serve_app.config import AppArgs, BatchingConfig
 from serve_app.engines.minicpmo.options import EngineOptions
 from serve_app.engines.piper.options import PiperOptions
 
@@ -72,6 +72,19 @@ def test_every_shipped_config_builds_with_typed_options() -> None:
         assert synthesizer.max_ongoing_requests == args.max_slots, path.name
         # the YAML sets one only to mean another number (it wins over the derived one)
         assert deployment.get("max_ongoing_requests") != args.max_slots, path.name
+
+
+def test_no_shipped_config_asks_for_more_batches_than_its_replica_can_fill() -> None:
+    """Serve warns when a deployment's ``max_batch_size`` x ``max_concurrent_batches`` exceeds
+    its ``max_ongoing_requests`` (ray/serve/batching.py, ``_BatchQueue``): the replica never
+    holds enough requests to fill them. No shipped config may make it warn."""
+    for path in sorted(ROOT.glob("serve_config*.yaml")):
+        [app] = yaml.safe_load(path.read_text(encoding="utf-8"))["applications"]
+        deployment = {d["name"]: d for d in app["deployments"]}["Synthesizer"]
+        batching = BatchingConfig.model_validate(deployment.get("user_config") or {})
+        ongoing = (deployment.get("max_ongoing_requests")
+                   or _synthesizer(build_app(app["args"])).max_ongoing_requests)
+        assert batching.max_batch_size * batching.max_concurrent_batches <= ongoing, path.name
 
 
 def test_the_benchmark_keys_are_engine_options() -> None:

@@ -6,7 +6,8 @@ executable), ``curl`` against a route the app serves (``serve_app.front.ingress.
 method it answers, ``.venv/bin/<entry point>`` of the project (``[project.scripts]``) or of one of
 its dependencies (Ray's ``serve``), ``.venv/bin/python <example>`` whose imports the installed
 set provides, or ``echo``. A file a command reads is in the repository or written by a line
-before it. ``.venv/bin/...`` is what the set-up scripts make (``scripts/setup``); the packages an
+before it, and what a command saves goes into /tmp, never into the checkout (where git would
+list it). ``.venv/bin/...`` is what the set-up scripts make (``scripts/setup``); the packages an
 example imports must be in every lock ``scripts/serve`` may install (``requirements/``), those of
 the README's Python block in the lock ``scripts/test`` installs. The cheap commands run
 (``--help``); the slow test starts the CPU profile and runs the README's lines against it.
@@ -277,6 +278,17 @@ def test_the_python_block_uses_what_scripts_test_installs():
         assert SERVICE in block
 
 
+def test_what_the_commands_save_goes_to_tmp_not_into_the_checkout():
+    commands = readme_commands()
+    saved = [path for command in commands for path in command.writes]
+    assert saved
+    assert [path for path in saved if not path.startswith("/tmp/")] == []
+    for block in fenced_blocks(README.read_text(encoding="utf-8"), "python"):
+        for call in ast.walk(ast.parse(block)):
+            if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "stream_to_file":
+                assert ast.literal_eval(call.args[0]).startswith("/tmp/"), ast.unparse(call)
+
+
 def test_the_examples_are_covered():
     """Every example the repository ships is one the README runs."""
     run = {command.argv[1] for command in readme_commands()
@@ -347,7 +359,8 @@ def test_the_readme_runs_against_the_cpu_profile(tmp_path, monkeypatch):
                 program = simple_commands(line)[0].argv[0]
                 if program in ("scripts/serve", "scripts/test") or program.endswith("/serve"):
                     continue  # the service itself (this test started one) and the suite
-                line = line.replace(SERVICE, f"127.0.0.1:{port}")
+                # /tmp/NAME becomes the test's own folder: beside other runs on this machine.
+                line = line.replace(SERVICE, f"127.0.0.1:{port}").replace("/tmp/", f"{work}/")
                 # tts-client's default --url is the service's usual address; here TTS_URL moves it
                 done = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=work,
                                       capture_output=True, text=True, timeout=300,
@@ -365,7 +378,8 @@ def test_the_readme_runs_against_the_cpu_profile(tmp_path, monkeypatch):
         # The OpenAI SDK block, where scripts/test has installed the SDK.
         if shutil.which("python", path=str(VENV_BIN)) and _has(VENV_BIN / "python", "openai"):
             [block] = fenced_blocks(text, "python")
-            (work / "hello_openai.py").write_text(block.replace(SERVICE, f"127.0.0.1:{port}"))
+            (work / "hello_openai.py").write_text(
+                block.replace(SERVICE, f"127.0.0.1:{port}").replace("/tmp/", f"{work}/"))
             done = subprocess.run([str(work / ".venv/bin/python"), "hello_openai.py"], cwd=work,
                                   capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stderr[-2000:]

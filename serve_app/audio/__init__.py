@@ -9,6 +9,7 @@ from serve_app.audio.encoding import (
     StreamEncoder,
     check_format_rate,
     float_to_pcm16,
+    format_unavailable,
     playable,
     wav_stream_header,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "StreamEncoder",
     "check_format_rate",
     "float_to_pcm16",
+    "format_unavailable",
     "playable",
     "wav_stream_header",
 ]

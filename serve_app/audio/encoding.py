@@ -1,4 +1,4 @@
-"""Streaming resample + encode of float32 mono PCM into wav, pcm, flac, mp3 or Ogg/Opus.
+"""Streaming resample + encode of float32 mono PCM into wav, pcm, flac, mp3, Ogg/Opus or AAC.
 
 One :class:`StreamEncoder` per stream: feed it the engine's chunks in order with
 :meth:`StreamEncoder.encode` and send whatever bytes it returns at once; :meth:`StreamEncoder.finish`
@@ -13,7 +13,11 @@ one valid file of the asked format.
   return nothing; :meth:`StreamEncoder.finish` flushes them. MP3 is constant bitrate with no
   Xing/Info length tag (fixed at close, after those bytes have left), so decoders read to the
   end of the stream.
-- ``flac`` is sent whole; for streaming pick pcm, wav, mp3 or opus. libsndfile cannot open a
+- ``aac``: AAC in ADTS frames (serve_app/audio/adts.py: FFmpeg's encoder through PyAV), written
+  into a ``BytesIO`` the same way; each frame leaves once encoded. Like MP3, decoders give the
+  encoder's priming and last-frame padding too (up to 2048 samples). Without PyAV installed,
+  aac is refused (see :func:`check_format_rate`).
+- ``flac`` is sent whole; for streaming pick pcm, wav, mp3, opus or aac. libsndfile cannot open a
   FLAC whose STREAMINFO says ``total_samples`` = 0 ("unknown", which a FLAC sent as it is
   encoded must say: its header leaves before the length is known): it takes that for
   ``SF_COUNT_MAX`` frames, so ``soundfile.read`` fails ("array is too big") and
@@ -31,26 +35,29 @@ from __future__ import annotations
 
 import io
 import struct
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import soundfile as sf
 import soxr
 
-AudioFormat = Literal["mp3", "opus", "flac", "wav", "pcm"]
-FORMATS: tuple[str, ...] = ("mp3", "opus", "flac", "wav", "pcm")
+from serve_app.audio.adts import AdtsAacWriter, pyav_missing
+
+AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+FORMATS: tuple[str, ...] = get_args(AudioFormat)
 SAMPLE_RATES_HZ: tuple[int, ...] = (8000, 16000, 22050, 24000, 44100, 48000)
 OPUS_SAMPLE_RATES_HZ: tuple[int, ...] = (8000, 12000, 16000, 24000, 48000)
 
 CONTENT_TYPES: dict[str, str] = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg; codecs=opus",
+    "aac": "audio/aac",
     "flac": "audio/flac",
     "wav": "audio/wav",
     "pcm": "audio/pcm",
 }
 
-# libsndfile (container, subtype) per format; wav and pcm are written directly.
+# libsndfile (container, subtype) per format; wav and pcm are written directly, aac by PyAV.
 _SOUNDFILE_FORMATS: dict[str, tuple[str, str]] = {
     "flac": ("FLAC", "PCM_16"),
     "mp3": ("MP3", "MPEG_LAYER_III"),
@@ -63,10 +70,17 @@ MP3_COMPRESSION_LEVEL = 0.5
 _UNKNOWN_SIZE = 0xFFFFFFFF
 
 
+def format_unavailable(audio_format: str) -> str | None:
+    """Why this server cannot encode a format it knows (aac without PyAV), or None."""
+    return pyav_missing() if audio_format == "aac" else None
+
+
 def check_format_rate(audio_format: str, sample_rate_hz: int) -> str | None:
     """Return why this format/rate pair cannot be served, or None if it can."""
     if audio_format not in FORMATS:
         return f"response format must be one of {', '.join(FORMATS)}"
+    if (unavailable := format_unavailable(audio_format)) is not None:
+        return unavailable
     if sample_rate_hz not in SAMPLE_RATES_HZ:
         return f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES_HZ))}"
     if audio_format == "opus" and sample_rate_hz not in OPUS_SAMPLE_RATES_HZ:
@@ -118,7 +132,8 @@ class StreamEncoder:
                            soxr.ResampleStream(input_rate_hz, output_rate_hz, 1,
                                                dtype="float32", quality="HQ"))
         self._buffer: io.BytesIO | None = None
-        self._file: sf.SoundFile | None = None
+        # The codec's writer (into _buffer): write(samples) and close(); None for pcm and wav.
+        self._file: sf.SoundFile | AdtsAacWriter | None = None
         self._sent = 0
         self._header_sent = False
         self._finished = False
@@ -131,6 +146,9 @@ class StreamEncoder:
                      if audio_format == "mp3" else {})
             self._file = sf.SoundFile(self._buffer, mode="w", samplerate=output_rate_hz,
                                       channels=1, format=container, subtype=subtype, **extra)
+        elif audio_format == "aac":
+            self._buffer = io.BytesIO()
+            self._file = AdtsAacWriter(self._buffer, output_rate_hz)
 
     @property
     def light(self) -> bool:
@@ -160,7 +178,8 @@ class StreamEncoder:
         if self._resampler is not None:
             tail = self._resampler.resample_chunk(tail, last=True)
         if self._file is not None and self.samples_out + len(tail) == 0:
-            # libsndfile writes no header for an empty file; one silent sample keeps it valid.
+            # libsndfile writes no header for an empty file (and ADTS nothing at all for no
+            # samples); one silent sample keeps it a valid file.
             tail = np.zeros(1, dtype=np.float32)
         data = self._write(tail)
         self._finished = True

@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from serve_app import __version__, errors
 from serve_app.front.api_docs import mount_offline_docs
-from serve_app.audio import CONTENT_TYPES, check_format_rate
+from serve_app.audio import CONTENT_TYPES, check_format_rate, format_unavailable
 from serve_app.config import ApiConfig
 from serve_app.engines.base import InvalidRequestError, SpeechRequest
 from serve_app.errors import ApiError
@@ -115,6 +115,13 @@ def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz:
     http.state.speech = {"mode": request.mode, "format": audio_format, "sample_rate_hz": rate_hz,
                          "text_chars": len(request.text)}
     logger.debug("request %s text=%r", request.request_id, request.text)
+
+
+def _check_available(audio_format: str, param: str) -> None:
+    """A 400 for a format this server cannot encode (aac without PyAV installed)."""
+    problem = format_unavailable(audio_format)
+    if problem is not None:
+        raise ApiError(400, problem, param=param, code="unsupported_format")
 
 
 # Ongoing requests reach past the stream cap (api.max_streams) so that RequestGuard, not Serve's
@@ -207,6 +214,7 @@ class Ingress:
         if body.model not in (info.model_id, *self._api.model_aliases):
             raise ApiError(404, f"model {body.model!r} does not exist; see /v1/models",
                            param="model", code="model_not_found")
+        _check_available(body.response_format, "response_format")
         word_times = bool(body.timestamp_granularities)
         if word_times and body.stream_format != "sse":
             raise ApiError(400, "timestamp_granularities needs stream_format 'sse' (the words "
@@ -234,6 +242,7 @@ class Ingress:
         received_s = time.perf_counter()
         text = self._checked_text(body.text)
         self._check_instructions(body.instructions)
+        _check_available(body.format, "format")
         problem = check_format_rate(body.format, body.sample_rate)
         if problem is not None:
             raise ApiError(400, problem, param="sample_rate", code="unsupported_sample_rate")

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from serve_app.audio import SAMPLE_RATES_HZ
+from serve_app.audio import SAMPLE_RATES_HZ, AudioFormat
 
 # The text's length and content are checked by the ingress under serve_app.engines.text_rule, against
 # api.max_input_chars (a schema cap here would override the configured limit).
@@ -48,7 +48,7 @@ class OpenAISpeechBody(BaseModel):
     model: str = Field(..., description="tts-1, tts-1-hd, gpt-4o-mini-tts or the engine's id")
     input: str = Field(..., description=_TEXT)
     voice: str = Field(..., description="An OpenAI voice name or one of /v1/voices")
-    response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "mp3"
+    response_format: AudioFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS,
                                      description=INSTRUCTIONS_DESCRIPTION)
@@ -69,7 +69,7 @@ class NativeSpeechBody(BaseModel):
     text: str = Field(..., description=_TEXT)
     mode: Literal["read", "chat"] = Field(
         "read", description="read: speak the text; chat: answer it in speech")
-    format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "wav"
+    format: AudioFormat = "wav"
     sample_rate: int = Field(24000, description=f"One of {list(SAMPLE_RATES_HZ)} "
                                                 "(opus: not 22050 or 44100)")
     voice: str = "default"

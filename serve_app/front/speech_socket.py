@@ -31,7 +31,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from serve_app.audio import check_format_rate
+from serve_app.audio import AudioFormat, check_format_rate, format_unavailable
 from serve_app.config import ApiConfig
 from serve_app.engines.base import SpeechRequest
 from serve_app.engines.words import WordTime, spoken_by
@@ -67,7 +67,7 @@ class SessionStart(BaseModel):
     type: Literal["session.start"]
     model: str | None = None
     voice: str = "alloy"
-    response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "pcm"
+    response_format: AudioFormat = "pcm"
     sample_rate: int = 24000
     instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS)
     timestamp_granularities: TimestampGranularities = None
@@ -133,6 +133,9 @@ class SpeechSession(SocketChannel):
             self.key = self.keys.authenticate(header or f"Bearer {start.api_key or ''}")
         except ApiError as error:
             raise SessionEnd(api_error_event(error), CLOSE_POLICY) from None
+        problem = format_unavailable(start.response_format)
+        if problem is not None:
+            return bad_message(problem, "unsupported_format", "response_format")
         problem = check_format_rate(start.response_format, start.sample_rate)
         if problem is not None:
             return bad_message(problem, "unsupported_sample_rate", "sample_rate")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import struct
 import subprocess
 import sys
@@ -23,6 +24,9 @@ from tests.audio.decoding import decode_audio as decode
 
 NATIVE_RATE_HZ = 22050
 MP3_FRAME_SAMPLES = 1152
+# AAC in ADTS: 1024 samples of encoder priming and the last frame's padding stay in (no tag
+# can say otherwise), so up to two frames more than went in.
+AAC_SLACK_SAMPLES = 2 * 1024
 # Uneven chunk sizes, as an engine delivers them.
 CHUNK_SIZES = (1000, 7000, 333, 12000, 1717)
 
@@ -59,6 +63,8 @@ def test_round_trip_duration_and_rate(audio_format: str, rate: int) -> None:
     if audio_format == "mp3":
         # No gapless tag in a stream: the encoder's delay and last-frame padding remain.
         assert expected <= len(samples) <= expected + 3 * MP3_FRAME_SAMPLES
+    elif audio_format == "aac":
+        assert expected <= len(samples) <= expected + AAC_SLACK_SAMPLES
     else:
         assert abs(len(samples) - expected) <= 2
     assert np.sqrt(np.mean(samples ** 2)) > 0.1
@@ -83,7 +89,7 @@ def test_native_rate_pcm_is_bit_exact() -> None:
     assert data == float_to_pcm16(signal).tobytes()
 
 
-@pytest.mark.parametrize("audio_format", ["wav", "pcm", "mp3"])
+@pytest.mark.parametrize("audio_format", ["wav", "pcm", "mp3", "aac"])
 def test_first_chunk_yields_bytes_at_once(audio_format: str) -> None:
     encoder = StreamEncoder(audio_format, NATIVE_RATE_HZ, 24000)
     assert len(encoder.encode(_signal(0.5))) > 0
@@ -106,7 +112,7 @@ def test_opus_rejects_rates_it_cannot_encode(rate: int) -> None:
 
 
 def test_unknown_format_and_rate_are_rejected() -> None:
-    assert check_format_rate("aac", 24000) is not None
+    assert check_format_rate("m4a", 24000) is not None
     assert check_format_rate("wav", 12345) is not None
 
 
@@ -149,3 +155,54 @@ def test_only_raw_sample_formats_skip_the_codec_thread() -> None:
     worker thread (it takes milliseconds per chunk), so it must never count as light."""
     light = {fmt for fmt in FORMATS if StreamEncoder(fmt, 24000, 24000).light}
     assert light == {"pcm", "wav"}
+
+
+def _adts_frame_lengths(data: bytes) -> list[int]:
+    """The length of each ADTS frame in ``data`` (asserting it is nothing but whole frames)."""
+    lengths, start = [], 0
+    while start < len(data):
+        header = data[start:start + 7]
+        assert header[0] == 0xFF and header[1] & 0xF6 == 0xF0, f"no ADTS sync at {start}"
+        length = ((header[3] & 0x03) << 11) | (header[4] << 3) | (header[5] >> 5)
+        assert length > 7
+        lengths.append(length)
+        start += length
+    assert start == len(data), "a frame runs past the piece"
+    return lengths
+
+
+@pytest.mark.parametrize("rate", SAMPLE_RATES_HZ)
+def test_aac_streams_as_whole_adts_frames_each_playable_on_arrival(rate: int) -> None:
+    """Each piece the encoder hands out is whole ADTS frames (so a player can start on the
+    first and a stream cut after any piece is still a valid file), and the audio leaves as it
+    comes: finish() holds no more than the encoder keeps back (its priming frame, one frame of
+    lookahead, the last partial frame) and the resampler's last samples."""
+    signal = _signal()
+    _, pieces = _encode(signal, "aac", rate)
+    frames = [_adts_frame_lengths(piece) for piece in pieces]
+    assert len(frames[-1]) <= 4
+    assert sum(len(lengths) for lengths in frames[:-1]) > 0
+    # A player told the stream is audio/aac (FFmpeg's "aac" demuxer reads ADTS) plays the
+    # first piece that arrives on its own.
+    import av
+
+    first = next(piece for piece in pieces if piece)
+    with av.open(io.BytesIO(first), format="aac") as container:
+        played = sum(frame.samples for frame in container.decode(audio=0))
+    assert played == len(_adts_frame_lengths(first)) * 1024
+
+
+def test_aac_is_refused_with_a_reason_where_pyav_is_not_installed() -> None:
+    """The service without PyAV (the ``av`` package) says so for aac and serves the rest."""
+    script = (
+        "import sys\n"
+        "sys.modules['av'] = None  # Python's own way to make a package absent\n"
+        "from serve_app.audio import check_format_rate, format_unavailable\n"
+        "print(check_format_rate('aac', 24000))\n"
+        "print(format_unavailable('mp3'), check_format_rate('mp3', 24000))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    aac_line, mp3_line = result.stdout.splitlines()
+    assert "PyAV" in aac_line and "av" in aac_line
+    assert mp3_line == "None None"

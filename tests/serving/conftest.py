@@ -1,4 +1,8 @@
-"""One real local Ray Serve app on the Piper engine, started once per test session."""
+"""One real local Ray Serve app on the Piper engine, started once per test session.
+
+The ``server`` and ``client`` fixtures are in tests/conftest.py (tests/serving and tests/clients
+share the one app); :func:`serve_piper_app` starts it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import json
 
@@ -84,8 +88,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+def serve_piper_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Start the app on a fresh local Ray cluster of its own, yield it, then end the cluster."""
     import ray
     from ray import serve
 
@@ -136,12 +140,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
         from loadtest.local_cluster import end_marked_processes
 
         end_marked_processes(CLUSTER_MARKER, env[CLUSTER_MARKER], grace_s=5.0)
-
-
-@pytest.fixture()
-def client(server: Server) -> httpx.Client:
-    with httpx.Client(base_url=server.base_url, headers=server.auth, timeout=120) as client:
-        yield client
 
 
 def speak_word_by_word(base_url: str, start: dict[str, Any], text: str,
