@@ -2,13 +2,19 @@
 
 :class:`SpeechStreamTTSService` is a Pipecat 1.14 ``WebsocketTTSService``: put it in a pipeline
 where any other TTS service goes. Each bot turn is one WebSocket session: the LLM's text goes in
-as it is written (``input_text.delta``; by default token by token, the service cuts the text
-itself), the audio comes back with each word's start time, and those times become the times of
-the turn's ``TTSTextFrame`` s (``add_word_timestamps``). The output transport releases a word
-when its audio plays, so a turn cut short keeps only the words the user heard. On the
-interruption the open session gets ``cancel`` with ``played_s``, the seconds of its audio played
-by then: the service stops synthesizing and answers with ``spoken_text``, the words heard
-(the ``on_speech_cancelled`` event).
+as it is written (``input_text.delta``, a sentence at a time by default), the audio comes back
+with each word's start time, and those times become the times of the turn's ``TTSTextFrame`` s
+(``add_word_timestamps``), moved by any wait the listener had for the audio (text that came
+slower than speech). The output transport releases a word when its audio plays, so a turn cut
+short keeps only the words the user heard. On the interruption the open session gets
+``cancel`` with ``played_s``, the seconds of its audio played by then: the service stops
+synthesizing and answers with ``spoken_text``, the words heard in full (the
+``on_speech_cancelled`` event); the turn may also keep the word being spoken at the cut.
+
+``text_aggregation_mode=TextAggregationMode.TOKEN`` sends each token as it comes (the service
+cuts streamed text at clause ends itself), so the first audio comes sooner; but Pipecat 1.14
+holds a sentence's timed words until the sentence is complete, so a turn interrupted while the
+LLM is still writing a sentence loses that sentence's heard words from the context.
 
 Run as a script, it plays an LLM's answer (the words of a text file, typed at an LLM's pace)
 through a pipeline of the service, :class:`PcmFileOutputTransport` (a speaker that plays into a
@@ -67,8 +73,8 @@ class SpeechStreamTTSService(WebsocketTTSService):
     """Pipecat TTS over ``WS /v1/audio/speech/stream``, with word timestamps.
 
     One session per audio context (a bot turn, or a ``TTSSpeakFrame``), opened when its first
-    text arrives and ended with ``input_text.done`` when the turn ends; frames wait while a
-    session is open (``pause_frame_processing``), so sessions run one at a time.
+    text arrives and ended with ``input_text.done`` when the turn ends. The frames after a turn
+    wait until its audio has arrived (``pause_frame_processing``), so sessions run one at a time.
 
     Event handlers:
         on_speech_cancelled(service, played_s, spoken_text): the service's answer to the
@@ -91,9 +97,8 @@ class SpeechStreamTTSService(WebsocketTTSService):
             voice: A voice of the service (OpenAI's names are aliases).
             sample_rate: Of the audio asked for (8000, 16000, 22050, 24000, 44100, 48000);
                 None takes the pipeline's output rate.
-            text_aggregation_mode: ``TOKEN`` (default) sends the LLM's tokens as they come:
-                the service cuts streamed text at clause ends itself. ``SENTENCE`` sends
-                whole sentences.
+            text_aggregation_mode: ``SENTENCE`` (default) sends each sentence once the LLM
+                has written it; ``TOKEN`` sends tokens as they come (see the module docstring).
         """
         super().__init__(
             text_aggregation_mode=text_aggregation_mode,
@@ -118,11 +123,13 @@ class SpeechStreamTTSService(WebsocketTTSService):
         self._input_done = False
         self._session_answered = False  # response.done or response.cancelled came
         # When the listener hears the audio (the pipeline clock, ns): chunks play back to back
-        # in real time from when they arrive. Where the audio arrived so far ends; where the
-        # audio context's first chunk starts (Pipecat times a context's words from there); the
-        # open session's chunks (start, duration) and the seconds of its stream received.
+        # in real time from when they arrive. Where the audio arrived so far ends; the audio
+        # context whose words are being timed and where its first chunk starts (Pipecat times
+        # a context's words from there); the open session's chunks (start, duration) and the
+        # seconds of its stream received.
         self._playout_end_ns = 0
-        self._context_origin_ns: int | None = None
+        self._timed_context_id: str | None = None
+        self._context_origin_ns = 0
         self._session_playout: list[tuple[int, int]] = []
         self._session_stream_s = 0.0
         self._register_event_handler("on_speech_cancelled")
@@ -138,6 +145,8 @@ class SpeechStreamTTSService(WebsocketTTSService):
         if context_id != self._session_context_id or not self._session_open():
             await self._end_session()
             await self._open_session(context_id)
+            if not self._session_open():
+                return  # refused: the error is reported (push_error)
         try:
             for start in range(0, len(text), MAX_DELTA_CHARS):
                 delta = text[start:start + MAX_DELTA_CHARS]
@@ -172,7 +181,7 @@ class SpeechStreamTTSService(WebsocketTTSService):
         except ConnectionClosed:
             pass
 
-    # ---- interruptions ---------------------------------------------------------------------
+    # ---- the listener's timeline, interruptions --------------------------------------------
 
     def _place_chunk(self, context_id: str, duration_s: float) -> float:
         """Put a chunk of the session's audio on the listener's timeline; returns where it
@@ -180,8 +189,9 @@ class SpeechStreamTTSService(WebsocketTTSService):
         now = self.get_clock().get_time()
         start = max(now, self._playout_end_ns)  # after a gap (the text came slower than
         self._playout_end_ns = start + int(duration_s * 1e9)  # speech) the listener waited
-        if self._context_origin_ns is None or not self.audio_context_available(context_id):
-            self._context_origin_ns = start  # the context's first chunk (or it was reopened)
+        if context_id != self._timed_context_id or not self.audio_context_available(context_id):
+            self._timed_context_id = context_id  # the context's first chunk (or it reopened:
+            self._context_origin_ns = start  # Pipecat closes one that stays quiet a while)
         self._session_playout.append((start, int(duration_s * 1e9)))
         return (start - self._context_origin_ns) / 1e9
 
@@ -225,7 +235,6 @@ class SpeechStreamTTSService(WebsocketTTSService):
         self._session_context_id = context_id
         self._input_done = False
         self._session_answered = False
-        self._context_origin_ns = None
         self._session_playout = []
         self._session_stream_s = 0.0
         await self._connect()
@@ -345,8 +354,9 @@ class PcmFileOutputTransport(BaseOutputTransport):
     hearing, and the transport's clock releases each word as its audio is written."""
 
     def __init__(self, path: str | Path, params: TransportParams | None = None, **kwargs):
-        super().__init__(params or TransportParams(audio_out_enabled=True, audio_out_end_silence_secs=0),
-                         **kwargs)
+        # No silence after the end: a file has no device buffer to push the last words out.
+        super().__init__(params or TransportParams(audio_out_enabled=True,
+                                                   audio_out_end_silence_secs=0), **kwargs)
         self._path = Path(path)
         self._file = None
         self._played_bytes = 0
