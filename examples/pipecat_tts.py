@@ -89,6 +89,7 @@ class SpeechStreamTTSService(WebsocketTTSService):
         voice: str = "alloy",
         sample_rate: int | None = None,
         text_aggregation_mode: TextAggregationMode = TextAggregationMode.SENTENCE,
+        stop_frame_timeout_s: float = 20.0,
         **kwargs,
     ):
         """Args:
@@ -99,6 +100,11 @@ class SpeechStreamTTSService(WebsocketTTSService):
                 None takes the pipeline's output rate.
             text_aggregation_mode: ``SENTENCE`` (default) sends each sentence once the LLM
                 has written it; ``TOKEN`` sends tokens as they come (see the module docstring).
+            stop_frame_timeout_s: How long a turn's audio context waits for more audio before
+                Pipecat ends it (3 s in Pipecat). A session ends its turn itself
+                (``response.done``), so this only bounds a wait; by default the service's own
+                idle limit (``api.ws_idle_timeout_s``), so that a slow first audio or a pause
+                of the LLM's does not end the turn early.
         """
         super().__init__(
             text_aggregation_mode=text_aggregation_mode,
@@ -111,6 +117,7 @@ class SpeechStreamTTSService(WebsocketTTSService):
             append_trailing_space=True,
             # A session cannot be resumed: the next text opens a new one.
             reconnect_on_error=False,
+            stop_frame_timeout_s=stop_frame_timeout_s,
             sample_rate=sample_rate,
             settings=TTSSettings(model=None, voice=voice, language=None),
             **kwargs,
@@ -309,43 +316,53 @@ class SpeechStreamTTSService(WebsocketTTSService):
         websocket = self._get_websocket()
         context_id = self._session_context_id
         chunk: dict | None = None  # the audio.chunk event whose bytes come next
-        while True:
-            message = await websocket.recv()
-            if isinstance(message, bytes):
-                # The words (those whose audio starts in this chunk) are timed where the
-                # listener hears them: their time in the stream, moved by any gap before the
-                # chunk (so a word reaches the context only once heard).
-                stream_offset_s = self._session_stream_s
-                duration_s = len(message) / (2 * self.sample_rate)
-                heard_at_s = self._place_chunk(context_id, duration_s)
-                self._session_stream_s += duration_s
-                await self.append_to_audio_context(
-                    context_id, TTSAudioRawFrame(audio=message, sample_rate=self.sample_rate,
-                                                 num_channels=1, context_id=context_id))
-                words = (chunk or {}).get("words") or []
-                if words:
-                    await self.add_word_timestamps(
-                        [(word["word"], heard_at_s + word["start"] - stream_offset_s)
-                         for word in words], context_id)
-                chunk = None
-                continue
-            event = json.loads(message)
-            kind = event.get("type")
-            if kind == "audio.chunk":
-                chunk = event
-            elif kind == "response.done":
-                self._session_answered = True
-                if self.audio_context_available(context_id):
-                    await self.append_to_audio_context(
-                        context_id, TTSStoppedFrame(context_id=context_id))
-                    await self.remove_audio_context(context_id)
-            elif kind == "response.cancelled":
-                self._session_answered = True
-                await self._call_event_handler("on_speech_cancelled", event.get("played_s"),
-                                               event.get("spoken_text"))
-            elif kind == "error":
-                error = event.get("error") or {}
-                await self.push_error(error_msg=f"{self}: {error.get('message', event)}")
+        try:
+            while True:
+                message = await websocket.recv()
+                if isinstance(message, bytes):
+                    await self._play_chunk(context_id, message, (chunk or {}).get("words"))
+                    chunk = None
+                    continue
+                event = json.loads(message)
+                kind = event.get("type")
+                if kind == "audio.chunk":
+                    chunk = event
+                elif kind == "response.done":
+                    self._session_answered = True
+                    await self._end_audio(context_id)
+                elif kind == "response.cancelled":
+                    self._session_answered = True
+                    await self._call_event_handler("on_speech_cancelled", event.get("played_s"),
+                                                   event.get("spoken_text"))
+                elif kind == "error":
+                    error = event.get("error") or {}
+                    await self.push_error(error_msg=f"{self}: {error.get('message', event)}")
+        finally:
+            # Closed without its answer (an error, the service's idle limit): the turn's audio
+            # ends now, not stop_frame_timeout_s later.
+            if not self._session_answered and not self._disconnecting:
+                await self._end_audio(context_id)
+
+    async def _play_chunk(self, context_id: str, audio: bytes, words: list[dict] | None):
+        """A chunk's audio, and its words (those whose audio starts in it) timed where the
+        listener hears them: their time in the stream, moved by any wait before the chunk, so a
+        word reaches the context only once heard."""
+        stream_offset_s = self._session_stream_s
+        duration_s = len(audio) / (2 * self.sample_rate)
+        heard_at_s = self._place_chunk(context_id, duration_s)
+        self._session_stream_s += duration_s
+        await self.append_to_audio_context(
+            context_id, TTSAudioRawFrame(audio=audio, sample_rate=self.sample_rate,
+                                         num_channels=1, context_id=context_id))
+        if words:
+            await self.add_word_timestamps(
+                [(word["word"], heard_at_s + word["start"] - stream_offset_s) for word in words],
+                context_id)
+
+    async def _end_audio(self, context_id: str):
+        if self.audio_context_available(context_id):
+            await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+            await self.remove_audio_context(context_id)
 
 
 class PcmFileOutputTransport(BaseOutputTransport):

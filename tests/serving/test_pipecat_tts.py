@@ -172,8 +172,7 @@ async def test_an_interrupted_turn_keeps_only_the_words_heard(server: Server, tm
 
 async def test_text_slower_than_speech_has_its_words_timed_after_the_wait(
         server: Server, tmp_path) -> None:
-    # The context stays open over the LLM's pause (Pipecat ends a quiet one after 3 s).
-    talk = Conversation(server, tmp_path / "heard.pcm", stop_frame_timeout_s=30)
+    talk = Conversation(server, tmp_path / "heard.pcm")
     first, rest = SLOW_ANSWER.split(" | ")
 
     async def converse() -> None:
