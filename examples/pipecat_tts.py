@@ -9,7 +9,9 @@ slower than speech). The output transport releases a word when its audio plays, 
 short keeps only the words the user heard. On the interruption the open session gets
 ``cancel`` with ``played_s``, the seconds of its audio played by then: the service stops
 synthesizing and answers with ``spoken_text``, the words heard in full (the
-``on_speech_cancelled`` event); the turn may also keep the word being spoken at the cut.
+``on_speech_cancelled`` event); the turn may also keep the word being spoken at the cut. The
+time played is reckoned as Pipecat reckons its word times: the audio plays from when it
+arrives, one chunk after another.
 
 ``text_aggregation_mode=TextAggregationMode.TOKEN`` sends each token as it comes (the service
 cuts streamed text at clause ends itself), so the first audio comes sooner; but Pipecat 1.14
