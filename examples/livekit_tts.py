@@ -96,11 +96,12 @@ class SpeechStreamSynthesizeStream(tts.SynthesizeStream):
                     raise APIStatusError(f"session refused: {error.get('message', reply)}",
                                          body=reply, retryable=False)
                 output_emitter.start_segment(segment_id=reply["session_id"])
-                sending = asyncio.create_task(self._send_text(socket))
+                tasks = [asyncio.create_task(self._send_text(socket)),
+                         asyncio.create_task(self._receive_audio(socket, output_emitter))]
                 try:
-                    await self._receive_audio(socket, output_emitter)
+                    await asyncio.gather(*tasks)
                 finally:
-                    await utils.aio.gracefully_cancel(sending)
+                    await utils.aio.gracefully_cancel(*tasks)
         except APIError:
             raise
         except asyncio.TimeoutError:
