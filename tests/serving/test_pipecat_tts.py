@@ -159,7 +159,9 @@ async def test_an_interrupted_turn_keeps_only_the_words_heard(server: Server, tm
 
     async def converse() -> None:
         await talk.write(ANSWER, first=True)  # three sentences, and the LLM writes the fourth
-        await talk.speaker.wait_played(2.0)  # the user cuts in two seconds into the answer
+        # The user cuts in a second into the answer, inside its first clause (whose words all
+        # came with its audio, in one chunk).
+        await talk.speaker.wait_played(1.0)
         await talk.interrupt()
 
     await talk.run(converse)
