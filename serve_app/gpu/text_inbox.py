@@ -20,12 +20,14 @@ process: when the replica dies, so does the inbox, and a ``put`` raises (``Actor
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import TaskCancelledError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serve_app.engines.base import InvalidRequestError
@@ -126,8 +128,13 @@ class InboxReader:
         return self.failure is None
 
     def start(self) -> None:
+        """Start reading (once). The reader runs in a context of its own: started from within
+        a request, its calls would count as that request's children (an async actor keeps the
+        current task in a context variable), and Ray cancels those when the request is
+        cancelled, as when a client hangs up."""
         if self._reading is None:
-            self._reading = asyncio.get_running_loop().create_task(self._read_forever())
+            self._reading = asyncio.get_running_loop().create_task(
+                self._read_forever(), context=contextvars.Context())
 
     def stop(self) -> None:
         if self._reading is not None:
@@ -137,7 +144,13 @@ class InboxReader:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                for item in await self.inbox.take.remote():
+                try:
+                    taken = await self.inbox.take.remote()
+                except TaskCancelledError:  # the call was cancelled, not the inbox: ask again
+                    logger.warning("a take from the text inbox was cancelled; taking again")
+                    await asyncio.sleep(0.1)
+                    continue
+                for item in taken:
                     # Each task sends its text to the engine process before its first wait,
                     # and tasks start in the order they were made: the engine gets the batch
                     # in order.
