@@ -85,6 +85,20 @@ def start_service(config: dict[str, Any], base_url: str, log_path: Path,
         raise
 
 
+def answers_ready(process: subprocess.Popen, base_url: str, timeout_s: float) -> bool:
+    """Whether the service ``process`` runs answers ``GET /readyz`` with 200 within
+    ``timeout_s`` (False at once if the process ends first)."""
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
+
+
 def _dashboard_url(log_path: Path) -> str | None:
     """The dashboard the service's own log names (its Ray's, not another one's), or None yet."""
     text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""

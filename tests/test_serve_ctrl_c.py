@@ -15,7 +15,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from loadtest.local_cluster import end_marked_processes, free_ports
+from loadtest.service import answers_ready
 from serve_app.ingress_env import HAPROXY_PORT_SETTINGS
 
 pytestmark = pytest.mark.slow
@@ -30,18 +30,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "SERVE_RUN_CTRL_C_TEST"
 SHUTDOWN_TIMED_OUT = "Controller failed to shut down"
-
-
-def _ready(service: subprocess.Popen, url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while service.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    return False
 
 
 def _serve_run(config_path: Path, metrics_port: int, env: dict[str, str],
@@ -79,7 +67,7 @@ def test_ctrl_c_stops_the_service_cleanly_without_serves_shutdown_timeout(
     for attempt in (1, 2, 3):
         log_path = tmp_path / f"serve-{attempt}.log"
         service = _serve_run(config_path, metrics_port, env, log_path)
-        if _ready(service, url, timeout_s=600):
+        if answers_ready(service, url, timeout_s=600):
             break
         _end(service, marker)
         assert attempt < 3, f"never ready:\n{log_path.read_text(errors='replace')[-3000:]}"

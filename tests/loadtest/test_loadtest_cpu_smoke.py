@@ -11,15 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from loadtest.local_cluster import end_marked_processes, free_ports
+from loadtest.service import answers_ready
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +44,6 @@ def _stop(service: subprocess.Popen) -> None:
         service.wait()
 
 
-def _ready(service: subprocess.Popen, url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while service.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    return False
-
-
 @pytest.fixture(scope="module")
 def cpu_service(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("cpu-service")
@@ -75,7 +62,7 @@ def cpu_service(tmp_path_factory: pytest.TempPathFactory) -> str:
         for attempt in (1, 2, 3):
             log_path = folder / f"serve-{attempt}.log"
             service = _serve_run(config_path, log_path, env)
-            if _ready(service, url, 240):
+            if answers_ready(service, url, 240):
                 break
             _stop(service)
             assert attempt < 3, f"never ready:\n{log_path.read_text()[-3000:]}"
