@@ -15,6 +15,7 @@ PyAV is imported when a writer is made, not with this module: it is only needed 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from fractions import Fraction
 from typing import BinaryIO
@@ -27,8 +28,10 @@ AAC_BIT_RATE = 64000
 AAC_FRAME_SAMPLES = 1024
 
 
+@functools.cache
 def pyav_missing() -> str | None:
-    """Why aac cannot be encoded here (PyAV is not installed), or None if it can."""
+    """Why aac cannot be encoded here (PyAV is not installed), or None if it can. Looked up
+    once per process (a path search): every request's format check asks."""
     if importlib.util.find_spec("av") is None:
         return "aac needs PyAV (the av package), which this server does not have installed"
     return None
