@@ -57,6 +57,7 @@ from serve_app.engines.minicpmo.model.layers import (
     StepInputs,
     causal_attend,
 )
+from serve_app.engines.minicpmo.model.names import KV_CACHE_DTYPES
 from serve_app.engines.minicpmo.model.quantization import QUANTIZATION_MODES, quantize_llm
 from serve_app.engines.minicpmo.model.synthetic import (
     random_speech_model,
@@ -331,6 +332,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             cuda_graphs=not args.no_graphs and max_slots > 1,
                             steps_per_sync=args.steps_per_sync,
                             one_query_attention=args.one_query_attention,
+                            tts_kv_cache_dtype=getattr(args, "tts_kv_cache_dtype", "auto"),
                             decode_dtype=getattr(args, "decode_dtype", EngineOptions.decode_dtype),
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
@@ -544,6 +546,9 @@ def main() -> None:
                         help="audio frames chained on the device per host sync (the baseline uses 1)")
     parser.add_argument("--one-query-attention", choices=list(ONE_QUERY_KERNELS),
                         default=EngineOptions.one_query_attention)
+    parser.add_argument("--tts-kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                        help="the TTS model's keys and values: auto (the model's dtype) or "
+                             "fp8_e4m3 (EngineOptions.tts_kv_cache_dtype)")
     parser.add_argument("--decode-dtype", choices=["float32", "bfloat16"],
                         default=EngineOptions.decode_dtype,
                         help="DVAE + Vocos weights and activations (EngineOptions)")
@@ -617,6 +622,7 @@ def main() -> None:
     levels = {"read": args.concurrency, "chat": args.chat_concurrency or args.concurrency}
     result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
               "git_commit": git_commit(), "dtype": args.dtype, "quantization": args.quantization,
+              "tts_kv_cache_dtype": args.tts_kv_cache_dtype,
               "weights": args.checkpoint or "random, full size",
               "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
               "model_build_s": load_s}
@@ -648,7 +654,7 @@ def main() -> None:
     for mode in args.modes:
         result["single_stream"][mode], result["max_realtime_streams"][mode] = headline(sweep, mode)
     result["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-    sizes = ModelSizes.of(model)
+    sizes = ModelSizes.of(model, tts_kv_cache_dtype=args.tts_kv_cache_dtype)
     result["model_sizes"] = sizes.as_dict()
     for row in sweep:
         # Phase times: with --profile-phases the device's (a sync ends each phase); otherwise

@@ -60,7 +60,7 @@ def check_ranges_kernel(tts, cache: SlotKVCache, rows: torch.Tensor, args) -> di
     random keys at the largest batch and the rows' positions: the largest difference of the
     outputs and of the keys each wrote."""
     from serve_app.engines.minicpmo.device.audio_step import audio_visible_ranges
-    from serve_app.engines.minicpmo.model.layers import StepInputs, rotary_cos_sin
+    from serve_app.engines.minicpmo.model.layers import LayerKV, StepInputs, rotary_cos_sin
     from serve_app.engines.minicpmo.model.range_attention import ranges_mask
 
     cfg = tts.config
@@ -70,16 +70,16 @@ def check_ranges_kernel(tts, cache: SlotKVCache, rows: torch.Tensor, args) -> di
     ranges = audio_visible_ranges(x.position, x.position, x.text_len, cfg)
     attention = tts.model.layers[0].self_attn
     keys, values = torch.randn_like(cache.keys[0]), torch.randn_like(cache.values[0])
-    hidden = torch.randn(batch, 1, cfg.hidden_size, device=device, dtype=keys.dtype)
-    cos, sin = rotary_cos_sin(x.position[:, None], attention.head_dim, cfg.rope_theta, keys.dtype)
+    dtype = cache.layers[0].dtype
+    hidden = torch.randn(batch, 1, cfg.hidden_size, device=device, dtype=dtype)
+    cos, sin = rotary_cos_sin(x.position[:, None], attention.head_dim, cfg.rope_theta, dtype)
     step = StepInputs(rows[:batch], x.position[:, None], x.position[:, None],
                       ranges_mask(ranges, keys.shape[2]), ranges=ranges)
     results = {}
     for kernel in ("visible_ranges", "sdpa"):
         attention.one_query_kernel = kernel
-        layer_keys, layer_values = keys.clone(), values.clone()
-        results[kernel] = (attention(hidden, cos, sin, layer_keys, layer_values, step).float(),
-                           layer_keys.float())
+        kv = LayerKV(keys.clone(), values.clone(), None, None, dtype)
+        results[kernel] = (attention(hidden, cos, sin, kv, step).float(), kv.keys.float())
     attention.one_query_kernel = "visible_ranges"
     (got, got_keys), (want, want_keys) = results["visible_ranges"], results["sdpa"]
     return {"batch": batch, "max_abs_output_diff_vs_sdpa": float((got - want).abs().max()),

@@ -106,7 +106,8 @@ class ModelSizes:
     llm_weights: str = "dense"  # or "int4" (GemLite)
 
     @classmethod
-    def of(cls, model, decoder_flops: float | None = None) -> "ModelSizes":
+    def of(cls, model, decoder_flops: float | None = None,
+           tts_kv_cache_dtype: str = "auto") -> "ModelSizes":
         element = next(model.tts.parameters()).element_size()
         llm_shape, tts_shape = model.config.llm, model.config.tts_shape()
         decoder = model.decoder if isinstance(model.decoder, torch.nn.Module) else None
@@ -121,7 +122,10 @@ class ModelSizes:
             tts_weight_bytes=tensor_bytes(model.tts, ("emb_text", "emb_code")),
             tts_matmul_params=matmul_params(tts_shape),
             tts_head_params=model.tts.head_code.weight.numel(),
-            tts_kv_bytes_per_position=kv_bytes_per_position(tts_shape, element),
+            # fp8: a byte a number and a float32 scale per head_dim numbers (kv_cache.py)
+            tts_kv_bytes_per_position=(
+                kv_bytes_per_position(tts_shape, element) if tts_kv_cache_dtype == "auto" else
+                kv_bytes_per_position(tts_shape, 1) * (tts_shape.head_dim + 4) // tts_shape.head_dim),
             tts_attention_flops_per_key=attention_flops_per_key(tts_shape),
             decoder_weight_bytes=tensor_bytes(decoder) if decoder is not None else 0,
             decoder_flops_per_frame=decoder_flops,

@@ -16,6 +16,7 @@ from ..raw_options import options_from_raw
 from .model.names import (
     DECODE_DTYPE_NAMES,
     DEFAULT_MODEL_ID,
+    KV_CACHE_DTYPES,
     MODEL_DTYPE_NAMES,
     ONE_QUERY_KERNELS,
     check_quantization,
@@ -87,6 +88,11 @@ class EngineOptions:
     # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "DVAE + Vocos in bf16");
     # the inverse STFT runs in float32 either way
     decode_dtype: str = "float32"
+    # the TTS model's keys and values: auto (the model's dtype) or fp8_e4m3 (e4m3 numbers and a
+    # float32 scale per key and value vector, model/kv_cache.py): half the bytes a decode step
+    # reads and a slot holds. Off by default: on full-size random weights its codes agree with
+    # bf16's ... (docs/benchmarks/kv-fp8-numerics.json)
+    tts_kv_cache_dtype: str = "auto"
     fuse_projections: StrictBool = True  # q/k/v and gate/up as one matmul each (unquantized layers)
     admission_interval_steps: Positive = 1  # while streams run, admit every N engine steps
     # padded prompt tokens (prompts x the longest) admitted and prefilled per engine step, as
@@ -109,6 +115,8 @@ class EngineOptions:
             raise ValueError(f"one_query_attention must be one of {ONE_QUERY_KERNELS}")
         if self.decode_dtype not in DECODE_DTYPE_NAMES:
             raise ValueError(f"decode_dtype must be one of {sorted(DECODE_DTYPE_NAMES)}")
+        if self.tts_kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"tts_kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
         if self.dtype not in MODEL_DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {MODEL_DTYPE_NAMES}")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:

@@ -21,6 +21,7 @@ from serve_app.engines.minicpmo.device.audio_step import (
 )
 from serve_app.engines.minicpmo.model.layers import (
     DecoderShape,
+    LayerKV,
     SlotAttention,
     SlotKVCache,
     StepInputs,
@@ -83,20 +84,30 @@ def test_window_key_reads_counts_exactly_the_keys_the_rows_see():
     assert window_key_reads(x, 64, 5, 1025, "sdpa", CFG) == 64 * 5 * 1025
 
 
-def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype) -> None:
+def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype,
+                                   kv_dtype: str = "auto") -> None:
     """The kernel (as Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must be set before
     anything imports Triton, which transformers does) against the attention layer's own path
     off CUDA (rotary embedding, cache write, SDPA over the ranges' mask): the layer's output
-    and both caches after the step."""
+    and both caches after the step, in the model's dtype or in fp8 with scales."""
     torch.manual_seed(kv_heads)
     shape = DecoderShape(hidden_size=256, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=kv_heads, rope_theta=10000.0, rms_norm_eps=1e-6,
                          qkv_bias=True)
     layer = SlotAttention(shape).to(dtype)
     layer.fuse_projections()
-    cache = SlotKVCache(shape, 7, 299, torch.device("cpu"), dtype)
-    cache.all_keys.normal_()
-    cache.all_values.normal_()
+    cache = SlotKVCache(shape, 7, 299, torch.device("cpu"), dtype, kv_dtype=kv_dtype)
+    if cache.quantized:  # random vectors stored as the cache stores them
+        rows_all = torch.arange(7)[:, None, None].expand(7, 300, 1).reshape(7, 300)
+        positions = torch.arange(300)[None].expand(7, 300)
+        for store in (cache.all_keys, cache.all_values):
+            assert store.shape[1:] == (7, kv_heads, 300, 64)
+        cache.layers[0].write(rows_all[:, :1], positions,
+                              torch.randn(7, 300, kv_heads, 64).to(dtype),
+                              torch.randn(7, 300, kv_heads, 64).to(dtype))
+    else:
+        cache.all_keys.normal_()
+        cache.all_values.normal_()
     rows = torch.tensor([6, 0, 3, 2, 5])  # gathered by slot, out of order
     ranges = torch.tensor([[1, 0, 0],        # a padding row: key 0 only, writes to scratch
                            [70, 150, 299],   # both ranges cross tile boundaries
@@ -110,35 +121,55 @@ def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype) -> None:
     step = StepInputs(rows, positions[:, None], written[:, None],
                       ranges_mask(ranges, cache.max_positions + 1), ranges=ranges)
     layer.one_query_kernel = "visible_ranges"
-    reference_keys, reference_values = cache.keys[0].clone(), cache.values[0].clone()
-    want = layer(hidden, cos, sin, reference_keys, reference_values, step)
+    kv = cache.layers[0]
+    reference = LayerKV(*(None if t is None else t.clone() for t in
+                          (kv.keys, kv.values, kv.key_scales, kv.value_scales)), dtype)
+    want = layer(hidden, cos, sin, reference, step)
 
     q, k, v = layer._projections(hidden)
     # the integer inputs as columns of one wider tensor, as the audio step's packed inputs are
     packed = torch.cat([rows[:, None], written[:, None], ranges.flip(1), ranges], dim=1)
     out = rope_write_two_range_attention(
-        q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], cache.keys[0], cache.values[0],
-        packed[:, 0], packed[:, 1], packed[:, 5:], kernel=build_rope_write_attention_kernel())
+        q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], kv.keys, kv.values,
+        packed[:, 0], packed[:, 1], packed[:, 5:], kv.key_scales, kv.value_scales,
+        kernel=build_rope_write_attention_kernel())
     got = layer.o_proj(out.reshape(len(rows), 1, -1))
-    if dtype == torch.float32:
+    got_keys, got_values = kv.read(slice(None))
+    want_keys, want_values = reference.read(slice(None))
+    if dtype == torch.float32 and not cache.quantized:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(cache.keys[0], reference_keys, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(cache.values[0], reference_values, rtol=0, atol=0)
+        torch.testing.assert_close(got_keys, want_keys, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_values, want_values, rtol=0, atol=0)
+        return
+    if cache.quantized:
+        # fp8: the same scales and numbers, at most one e4m3 step (1/8) apart: the interpreter
+        # rounds a conversion toward zero, torch (and CUDA's Triton) to nearest; and the same
+        # attention over them
+        torch.testing.assert_close(kv.value_scales, reference.value_scales, rtol=1e-6, atol=0)
+        torch.testing.assert_close(kv.key_scales, reference.key_scales, rtol=0.02, atol=1e-6)
+        for got_x, want_x in ((got_keys, want_keys), (got_values, want_values)):
+            torch.testing.assert_close(got_x.float(), want_x.float(), rtol=0.13, atol=0.02)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.03)
         return
     # bfloat16: torch rounds each elementwise result to nearest, the interpreter toward zero
     # (CUDA's Triton to nearest), so a rotated key may differ in its last bits
-    assert torch.equal(cache.values[0], reference_values)
-    torch.testing.assert_close(cache.keys[0].float(), reference_keys.float(), rtol=0.02, atol=0.02)
+    assert torch.equal(got_values, want_values)
+    torch.testing.assert_close(got_keys.float(), want_keys.float(), rtol=0.02, atol=0.02)
     torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.03)
 
 
-@pytest.mark.parametrize("kv_heads,dtype", [(4, "float32"), (2, "float32"), (4, "bfloat16")],
-                         ids=["one-key-head-per-query-head", "grouped", "bfloat16"])
-def test_the_kernel_computes_what_the_attention_layer_computes(kv_heads, dtype):
+@pytest.mark.parametrize("kv_heads,dtype,kv_dtype",
+                         [(4, "float32", "auto"), (2, "float32", "auto"),
+                          (4, "bfloat16", "auto"), (4, "float32", "fp8_e4m3"),
+                          (2, "bfloat16", "fp8_e4m3")],
+                         ids=["one-key-head-per-query-head", "grouped", "bfloat16", "fp8",
+                              "fp8-grouped-bfloat16"])
+def test_the_kernel_computes_what_the_attention_layer_computes(kv_heads, dtype, kv_dtype):
     pytest.importorskip("triton")  # scripts/setup installs it with the test extra
     # a process of its own: the interpreter mode must be on before Triton is first imported
     code = ("import torch; from tests.engines.minicpmo.test_range_attention import "
-            f"check_kernel_against_the_layer as check; check({kv_heads}, torch.{dtype})")
+            f"check_kernel_against_the_layer as check; check({kv_heads}, torch.{dtype}, "
+            f"{kv_dtype!r})")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -154,4 +185,5 @@ def test_off_cuda_the_layer_attends_over_the_ranges_mask():
     visible[0, ..., :5] = visible[0, ..., 20:31] = visible[1, ..., 0] = True
     want = torch.nn.functional.scaled_dot_product_attention(q, keys[rows], values[rows],
                                                              attn_mask=visible)
-    torch.testing.assert_close(reference_two_range_attention(q, keys, values, rows, ranges), want)
+    torch.testing.assert_close(reference_two_range_attention(q, keys[rows], values[rows], ranges),
+                               want)

@@ -136,17 +136,16 @@ def audio_visible_ranges(limit: torch.Tensor, past: torch.Tensor, text_len: torc
     return torch.stack([text_end, audio_start, limit + 1], dim=-1)
 
 
-def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
-               rows: torch.Tensor, contiguous: bool, key_count: int | None = None) -> torch.Tensor:
-    """Advance each row one audio frame; returns codes [B, num_vq].
+def audio_logits(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
+                 rows: torch.Tensor, contiguous: bool, key_count: int | None = None) -> torch.Tensor:
+    """Each row's next-frame logits [B, num_vq, codes] (float32) from its input (``[Ptts]`` or
+    its last frame), which is written into the cache (:func:`audio_step` samples from them).
 
     Attention reads the first ``key_count`` cache positions (all by default; every active
     row's position must be below it). Inactive rows write to the scratch position and see
-    only key 0; their codes are garbage.
+    only key 0; their logits are garbage.
     """
     cfg = tts.config
-    device = x.position.device
-    batch = x.position.shape[0]
     active = x.active.bool()
     bos = x.bos.bool()
     frames = x.frame
@@ -161,7 +160,18 @@ def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
     write = torch.where(active, position, torch.full_like(position, cache.scratch_position))
     step = StepInputs(rows, position[:, None], write[:, None], visible, contiguous, ranges=ranges)
     hidden = tts(embeds, cache, step)
-    logits = tts.code_logits(hidden[:, -1])
+    return tts.code_logits(hidden[:, -1])
+
+
+def audio_step(tts: SpeechTokenModel, cache: SlotKVCache, x: AudioStepInputs,
+               rows: torch.Tensor, contiguous: bool, key_count: int | None = None) -> torch.Tensor:
+    """Advance each row one audio frame (:func:`audio_logits`, then upstream's temperature,
+    top-p/top-k, end-of-audio rule and sampling); returns codes [B, num_vq]. Inactive rows'
+    codes are garbage."""
+    cfg = tts.config
+    device = x.position.device
+    batch = x.position.shape[0]
+    logits = audio_logits(tts, cache, x, rows, contiguous, key_count)
     # (0.1, 0.3, 0.1, 0.3) built on device: no host copy may happen inside a CUDA graph
     codebooks = torch.arange(cfg.num_vq, device=device)
     temperature = torch.where(codebooks % 2 == 0, TTS_TEMPERATURE[0], TTS_TEMPERATURE[1])

@@ -79,7 +79,7 @@ class ModelRunner:
         self.dtype = next(model.tts.parameters()).dtype
         cfg = model.config
         self.tts_cache = SlotKVCache(cfg.tts_shape(), options.max_slots, options.tts_max_positions,
-                                     self.device, self.dtype)
+                                     self.device, self.dtype, options.tts_kv_cache_dtype)
         self.llm_cache = SlotKVCache(cfg.llm, options.max_chat_slots, options.llm_max_positions,
                                      self.device, self.dtype)
         # written by the admission prefill, read by every text prefill of the slot's stream

@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import (  # the math is transforme
 )
 
 from .flex_attention import flex_one_query_attention, visible_blocks
+from .kv_cache import LayerKV, SlotKVCache  # noqa: F401  (SlotKVCache: imported from here too)
 from .names import ONE_QUERY_KERNELS
 from .range_attention import reference_two_range_attention, rope_write_two_range_attention
 
@@ -44,49 +45,6 @@ class DecoderShape:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
-
-
-class SlotKVCache:
-    """Keys and values of ``num_slots`` streams, ``max_positions`` each, plus one scratch position.
-
-    The scratch position (index ``max_positions``) absorbs writes of padded or idle rows; no
-    mask ever lets a query see it. ``keys``/``values`` are per-layer views of one tensor each
-    (``all_keys``/``all_values``, [layers, slots, kv_heads, positions, head_dim]), so a span of
-    positions of every layer is written in one copy.
-    """
-
-    def __init__(self, shape: DecoderShape, num_slots: int, max_positions: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        size = (shape.num_layers, num_slots, shape.num_kv_heads, max_positions + 1, shape.head_dim)
-        self.all_keys = torch.zeros(size, device=device, dtype=dtype)
-        self.all_values = torch.zeros(size, device=device, dtype=dtype)
-        self.keys = list(self.all_keys.unbind(0))
-        self.values = list(self.all_values.unbind(0))
-        self.num_slots = num_slots
-        self.max_positions = max_positions
-        self.scratch_position = max_positions
-
-    @property
-    def bytes_per_slot(self) -> int:
-        first = self.keys[0]
-        return 2 * len(self.keys) * first[0].numel() * first.element_size()
-
-    def clear_slot(self, slot: int, upto: int | None = None) -> None:
-        """Zero a slot's positions ``[0, upto)`` (all when ``upto`` is None)."""
-        end = self.max_positions + 1 if upto is None else upto
-        self.all_keys[:, slot, :, :end].zero_()
-        self.all_values[:, slot, :, :end].zero_()
-
-    def write_prefix(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Put keys/values [layers, kv_heads, n, head_dim] at a slot's positions ``0..n-1``."""
-        count = keys.shape[2]
-        self.all_keys[:, slot, :, :count] = keys
-        self.all_values[:, slot, :, :count] = values
-
-    def read_prefix(self, slot: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of a slot's keys/values at positions ``0..count-1`` (``write_prefix``'s form)."""
-        return (self.all_keys[:, slot, :, :count].clone(),
-                self.all_values[:, slot, :, :count].clone())
 
 
 @dataclass
@@ -166,7 +124,7 @@ class SlotAttention(nn.Module):
         self.fused_qkv = functools.partial(F.linear, weight=weight, bias=bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
+                kv: LayerKV, step: StepInputs) -> torch.Tensor:
         batch, seq, _ = hidden.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         by_ranges = (seq == 1 and self.one_query_kernel == "visible_ranges"
@@ -174,8 +132,8 @@ class SlotAttention(nn.Module):
         if by_ranges and hidden.is_cuda:  # rotary, cache write and attention in one kernel
             q, k, v = self._projections(hidden)
             out = rope_write_two_range_attention(
-                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], keys, values, step.rows,
-                step.write_positions[:, 0], step.ranges)
+                q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], kv.keys, kv.values, step.rows,
+                step.write_positions[:, 0], step.ranges, kv.key_scales, kv.value_scales)
             return self.o_proj(out.reshape(batch, seq, -1))
         if self.fused_qkv is not None:
             qkv = self._fused_qkv_heads(hidden)
@@ -187,18 +145,13 @@ class SlotAttention(nn.Module):
         else:
             q, k, v = (t.transpose(1, 2) for t in self._projections(hidden))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        row_index = step.rows[:, None]
-        keys[row_index, :, step.write_positions] = k.transpose(1, 2)
-        values[row_index, :, step.write_positions] = v.transpose(1, 2)
+        kv.write(step.rows[:, None], step.write_positions, k.transpose(1, 2), v.transpose(1, 2))
         if by_ranges:
-            out = reference_two_range_attention(q, keys, values, step.rows, step.ranges)
+            row_keys, row_values = kv.read(step.rows)
+            out = reference_two_range_attention(q, row_keys, row_values, step.ranges)
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        span = step.attend.shape[-1]
-        keys, values = keys[:, :, :span], values[:, :, :span]
-        if step.contiguous:
-            row_keys, row_values = keys[:batch], values[:batch]
-        else:
-            row_keys, row_values = keys[step.rows], values[step.rows]
+        rows = slice(0, batch) if step.contiguous else step.rows
+        row_keys, row_values = kv.read(rows, step.attend.shape[-1])
         if seq == 1 and self.one_query_kernel == "matmul":
             out = one_query_attention(q, row_keys, row_values, step.attend)
         elif seq == 1 and self.one_query_kernel == "flex":
@@ -306,8 +259,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, keys, values, step)
+                kv: LayerKV, step: StepInputs) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv, step)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -326,8 +279,8 @@ class SlotDecoder(nn.Module):
     def forward(self, hidden: torch.Tensor, cache: SlotKVCache, step: StepInputs) -> torch.Tensor:
         cos, sin = rotary_cos_sin(step.positions, self.shape.head_dim, self.shape.rope_theta,
                                   hidden.dtype)
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            hidden = layer(hidden, cos, sin, keys, values, step)
+        for layer, kv in zip(self.layers, cache.layers):
+            hidden = layer(hidden, cos, sin, kv, step)
         return self.norm(hidden)
 
 

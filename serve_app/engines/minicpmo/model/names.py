@@ -11,6 +11,10 @@ ONE_QUERY_KERNELS = ("sdpa", "matmul", "flex", "visible_ranges")
 QUANTIZATION_MODES = ("none", "int8", "int4", "int4-tinygemm")
 # DVAE + Vocos weights and activations (the engine maps them to torch dtypes)
 DECODE_DTYPE_NAMES = ("float32", "bfloat16")
+# how a slot cache stores keys and values (kv_cache.py), named as vLLM names its kv_cache_dtype:
+# "auto" in the model's dtype, "fp8_e4m3" as e4m3 numbers with a float32 scale per key and value
+# vector
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # weights and activations of the LLM and the TTS; "auto": bfloat16 on CUDA, else float32
 MODEL_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 
