@@ -133,25 +133,34 @@ def measure(model, streams: int, steps: int, seed: int) -> dict:
     reference = Streams(model, streams, "auto", seed)
     forced = Streams(model, streams, "fp8_e4m3", seed)
     free = Streams(model, streams, "fp8_e4m3", seed)
-    ref_frames = forced_frames = free_frames = None
+    # the floor: the model's own dtype, attention computed another way (SDPA over the mask:
+    # another order of the same sums), fed the reference's frames too
+    floor = Streams(model, streams, "auto", seed)
+    ref_frames = free_frames = None
     agree, kl_1, kl_t, ref_codes, free_codes = [], [], [], [], []
+    floor_agree, floor_kl_1, floor_kl_t = [], [], []
+    ones = torch.ones_like(temperature)
     for _ in range(steps):
         ref_logits = reference.logits(ref_frames)
         forced_logits = forced.logits(ref_frames)  # teacher-forced: the reference's frames
         free_logits = free.logits(free_frames)
-        ref_frames, forced_frames = greedy(ref_logits, eos), greedy(forced_logits, eos)
-        free_frames = greedy(free_logits, eos)
-        agree.append((ref_frames == forced_frames).float().cpu())
-        kl_1.append(kl(ref_logits, forced_logits, torch.ones_like(temperature)).cpu())
-        kl_t.append(kl(ref_logits, forced_logits, temperature).cpu())
+        set_one_query_attention(model.tts, "sdpa")
+        floor_logits = floor.logits(ref_frames)
+        set_one_query_attention(model.tts, "visible_ranges")
+        ref_frames, free_frames = greedy(ref_logits, eos), greedy(free_logits, eos)
+        for logits, top1, kls_1, kls_t in ((forced_logits, agree, kl_1, kl_t),
+                                           (floor_logits, floor_agree, floor_kl_1, floor_kl_t)):
+            top1.append((ref_frames == greedy(logits, eos)).float().cpu())
+            kls_1.append(kl(ref_logits, logits, ones).cpu())
+            kls_t.append(kl(ref_logits, logits, temperature).cpu())
         ref_codes.append(ref_frames.cpu())
         free_codes.append(free_frames.cpu())
     agree_all, ref_all, free_all = torch.stack(agree), torch.stack(ref_codes), torch.stack(free_codes)
     same_frame = (ref_all == free_all).all(dim=-1)  # [steps, streams]
     parted = [int(torch.nonzero(~same_frame[:, s])[0]) if not bool(same_frame[:, s].all())
               else steps for s in range(streams)]
-    ref_audio = model.decoder.decode([ref_all[:, s].to(device) for s in range(streams)])
-    free_audio = model.decoder.decode([free_all[:, s].to(device) for s in range(streams)])
+    ref_audio = model.decoder.decode([ref_all[:, s] for s in range(streams)])
+    free_audio = model.decoder.decode([free_all[:, s] for s in range(streams)])
     snrs = np.array([snr_db(a.float().cpu(), b.float().cpu())
                      for a, b in zip(ref_audio, free_audio)])
     return {
@@ -161,6 +170,12 @@ def measure(model, streams: int, steps: int, seed: int) -> dict:
             "top1_agreement_per_codebook": [float(v) for v in agree_all.mean(dim=(0, 1))],
             "kl_nats_temperature_1": summary(torch.stack(kl_1).flatten().numpy()),
             "kl_nats_sampling_temperature": summary(torch.stack(kl_t).flatten().numpy()),
+        },
+        "floor_teacher_forced": {
+            "what": "the model's dtype with SDPA in place of the fused kernel: rounding alone",
+            "top1_agreement": float(torch.stack(floor_agree).mean()),
+            "kl_nats_temperature_1": summary(torch.stack(floor_kl_1).flatten().numpy()),
+            "kl_nats_sampling_temperature": summary(torch.stack(floor_kl_t).flatten().numpy()),
         },
         "free_running_greedy": {
             "frames_equal": float(same_frame.float().mean()),

@@ -27,8 +27,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-KEY_TILE = 64  # keys per tile of the kernel's loop
+# keys per tile of the kernel's loop and warps per program, by the cache's dtype: timed on an
+# H100 at 768-1024 rows of a read-like spread of keys (scripts/bench_range_kernel.py), bf16 is
+# fastest at 64 keys and 4 warps (0.54 ms a layer at 1024 rows) and fp8 at 128 and 2 (0.36
+# ms; at 64 and 4 it took 0.58): an fp8 tile of 128 keys moves the bytes a bf16 tile of 64 does
+KEY_TILE = 64
 KERNEL_WARPS = 4
+FP8_KEY_TILE = 128
+FP8_KERNEL_WARPS = 2
 
 
 def ranges_mask(ranges: torch.Tensor, key_count: int) -> torch.Tensor:
@@ -91,8 +97,9 @@ def rope_write_two_range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), *scale_strides,
         rows.stride(0), write_positions.stride(0), ranges.stride(0), ranges.stride(1),
-        dim ** -0.5, GROUP=heads // kv_heads, DIM=dim, TILE=KEY_TILE, SCALED=scaled,
-        num_warps=KERNEL_WARPS)
+        dim ** -0.5, GROUP=heads // kv_heads, DIM=dim,
+        TILE=FP8_KEY_TILE if scaled else KEY_TILE, SCALED=scaled,
+        num_warps=FP8_KERNEL_WARPS if scaled else KERNEL_WARPS)
     return out
 
 
