@@ -8,13 +8,18 @@ at ``--replica-gpus`` GPUs per replica (two replicas share one GPU at 0.5, each 
 ``--gpu-memory-gb`` and ``--max-slots``), ``min_replicas`` 1 and ``max_replicas`` ``--max-replicas``,
 and shorter delays than production (``--upscale-delay-s``, ``--downscale-delay-s``) so a whole
 cycle fits one run. Locust (``ScheduledListener``) replays Poisson arrivals of fixed-length read
-streams whose rate follows a ramp: up to ``--peak-streams`` concurrent streams (past one
-replica's slots), held, then down to ``--low-streams``. Every second it reads the replicas'
-states from Serve (starting, running, stopping) and every 5 s the engines' queue and slot
-occupancy from the metrics; per 5 s window of stream starts, TTFB p50/p99. It writes the
-timeline, failed and cut streams (ended before their audio was complete), the time from the
-scale-out decision (a second replica appears) to it serving, and TTFB p99 during the scale-up
-and after the second replica is ready, as JSON and a PNG.
+streams whose rate follows a schedule (:func:`load_stages`, written into the JSON): a ramp up to
+``--peak-streams`` (past one replica's real-time load), held, then down to ``--low-streams``;
+with ``--plateau-streams`` and ``--plateau-s`` the ramp pauses at that level for that long (a
+load one replica still holds, where the policy can scale out before the ramp goes on to the
+peak). A level of N streams is an arrival rate, N / (1.05 ``--audio-seconds``) per second,
+bench_serve's read levels: the streams in engine slots are fewer while the engine runs faster
+than real time. Every second it reads the replicas' states from Serve (starting, running,
+stopping) and the engines' queue and slot occupancy from the metrics; per 5 s window of stream
+starts, TTFB p50/p99. It writes the timeline, failed and cut streams (ended before their audio
+was complete), the time from the scale-out decision (a second replica appears) to it serving,
+and TTFB p99 before the decision, during the scale-up and after the second replica is ready,
+as JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -65,8 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-chat-slots", type=int, default=32)
     parser.add_argument("--peak-streams", type=int, default=240)
     parser.add_argument("--low-streams", type=int, default=4)
-    parser.add_argument("--ramp-up-s", type=float, default=30.0)
-    parser.add_argument("--hold-s", type=float, default=180.0)
+    parser.add_argument("--ramp-up-s", type=float, default=30.0,
+                        help="seconds from 0 to --peak-streams, not counting a plateau")
+    parser.add_argument("--plateau-streams", type=int, default=0,
+                        help="the ramp up pauses at this level (0 < N < --peak-streams) ...")
+    parser.add_argument("--plateau-s", type=float, default=0.0,
+                        help="... for this long, then goes on at the same slope (0: no plateau)")
+    parser.add_argument("--hold-s", type=float, default=180.0,
+                        help="seconds at --peak-streams")
     parser.add_argument("--ramp-down-s", type=float, default=10.0)
     parser.add_argument("--low-s", type=float, default=100.0)
     parser.add_argument("--audio-seconds", type=float, default=10.0)
@@ -85,7 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-autoscale.log")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "autoscale-h100.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.plateau_s > 0) != (args.plateau_streams > 0):
+        parser.error("--plateau-streams and --plateau-s come together")
+    if args.plateau_s > 0 and not 0 < args.plateau_streams < args.peak_streams:
+        parser.error("--plateau-streams must be between 0 and --peak-streams")
+    return args
 
 
 def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,16 +145,52 @@ def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def load_stages(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The load's schedule: stages of linear change in offered streams, back to back from 0 s.
+
+    Ramp up from 0 to ``peak_streams`` over ``ramp_up_s``; with a plateau (``plateau_streams``
+    for ``plateau_s``, optional: namespaces from older runs have none) the ramp pauses there and
+    then goes on at the same slope; ``hold_s`` at the peak, ``ramp_down_s`` to ``low_streams``,
+    ``low_s`` there."""
+    peak, low = args.peak_streams, args.low_streams
+    plateau = getattr(args, "plateau_streams", 0) or 0
+    plateau_s = getattr(args, "plateau_s", 0.0) or 0.0
+    if plateau_s > 0 and 0 < plateau < peak:
+        share = plateau / peak
+        legs = [("ramp_up", 0, plateau, args.ramp_up_s * share),
+                ("plateau", plateau, plateau, plateau_s),
+                ("ramp_up", plateau, peak, args.ramp_up_s * (1 - share))]
+    else:
+        legs = [("ramp_up", 0, peak, args.ramp_up_s)]
+    legs += [("peak", peak, peak, args.hold_s), ("ramp_down", peak, low, args.ramp_down_s),
+             ("low", low, low, args.low_s)]
+    stages, at = [], 0.0
+    for name, start, end, seconds in legs:
+        stages.append({"stage": name, "from_t_s": round(at, 3), "to_t_s": round(at + seconds, 3),
+                       "from_streams": start, "to_streams": end})
+        at += seconds
+    return stages
+
+
+def load_seconds(args: argparse.Namespace) -> float:
+    """How long the load runs: the end of its last stage."""
+    return load_stages(args)[-1]["to_t_s"]
+
+
+def peak_span_s(args: argparse.Namespace) -> tuple[float, float]:
+    """When the load holds ``peak_streams``: (start, end) on the load's clock."""
+    [peak] = [s for s in load_stages(args) if s["stage"] == "peak"]
+    return peak["from_t_s"], peak["to_t_s"]
+
+
 def target_streams(t_s: float, args: argparse.Namespace) -> float:
-    """The ramp: concurrent streams wanted ``t_s`` after the load starts."""
-    up, hold, down = args.ramp_up_s, args.hold_s, args.ramp_down_s
-    if t_s < up:
-        return args.peak_streams * t_s / up
-    if t_s < up + hold:
-        return args.peak_streams
-    if t_s < up + hold + down:
-        share = (t_s - up - hold) / down
-        return args.peak_streams + (args.low_streams - args.peak_streams) * share
+    """The schedule (:func:`load_stages`): concurrent streams wanted ``t_s`` after the load
+    starts."""
+    for stage in load_stages(args):
+        if t_s < stage["to_t_s"]:
+            span = stage["to_t_s"] - stage["from_t_s"]
+            share = (t_s - stage["from_t_s"]) / span if span > 0 else 1.0
+            return stage["from_streams"] + (stage["to_streams"] - stage["from_streams"]) * share
     return args.low_streams
 
 
@@ -148,7 +200,7 @@ def arrivals_s(args: argparse.Namespace, seed: int = 0) -> list[float]:
     rng = random.Random(seed)
     period = args.audio_seconds * 1.05
     peak_rate = max(args.peak_streams, args.low_streams) / period
-    end = args.ramp_up_s + args.hold_s + args.ramp_down_s + args.low_s
+    end = load_seconds(args)
     times, now = [], 0.0
     while True:
         now += rng.expovariate(peak_rate)
@@ -301,7 +353,7 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
             return None
         return percentile(ttfbs_between(start, stop if stop is not None else 1e9), 99)
 
-    hold_end = args.ramp_up_s + args.hold_s
+    _, hold_end = peak_span_s(args)
     peak = max((row["replicas"] for row in timeline), default=0)
     return {
         "replicas_timeline": timeline, "scale_decisions": decisions,
@@ -390,9 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                   "git_commit": git_commit(), "policy": POLICY,
                   "command": " ".join(["scripts/bench_autoscale", *sys.argv[1:]]),
                   "load": {k: getattr(args, k) for k in (
-                      "peak_streams", "low_streams", "ramp_up_s", "hold_s", "ramp_down_s",
-                      "low_s", "audio_seconds", "max_slots", "gpu_memory_gb", "upscale_delay_s",
-                      "downscale_delay_s")},
+                      "peak_streams", "low_streams", "ramp_up_s", "plateau_streams",
+                      "plateau_s", "hold_s", "ramp_down_s", "low_s", "audio_seconds",
+                      "max_slots", "gpu_memory_gb", "upscale_delay_s", "downscale_delay_s")},
+                  "schedule": load_stages(args),
                   "served_config": config,
                   **summarize(rows, poller.samples, load_t0, poller.t0, args,
                               args.log.read_text(errors="replace") if args.log.exists() else ""),

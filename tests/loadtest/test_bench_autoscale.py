@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import time
+
+import pytest
 
 from loadtest.bench_autoscale import (
     POLICY,
     arrivals_s,
     autoscale_config,
+    load_seconds,
+    load_stages,
     parse_args,
+    peak_span_s,
     scale_decisions,
     summarize,
+    target_streams,
 )
 
 
@@ -37,6 +44,64 @@ def test_arrivals_hold_the_ramp_by_littles_law() -> None:
     assert abs(len(held) - rate * 200) < 4 * (rate * 200) ** 0.5
     low = [t for t in times if t >= 240]
     assert len(low) < 0.1 * len(held)
+
+
+def test_without_a_plateau_the_ramp_is_as_before() -> None:
+    args = parse_args(["--peak-streams", "1000", "--low-streams", "4", "--ramp-up-s", "200",
+                       "--hold-s", "45", "--ramp-down-s", "10", "--low-s", "60"])
+    assert [s["stage"] for s in load_stages(args)] == ["ramp_up", "peak", "ramp_down", "low"]
+    assert load_seconds(args) == 315 and peak_span_s(args) == (200, 245)
+    assert target_streams(100, args) == 500 and target_streams(147.2, args) == pytest.approx(736)
+    assert target_streams(220, args) == 1000 and target_streams(250, args) == 502
+    assert target_streams(300, args) == 4 and target_streams(400, args) == 4
+    # a namespace from an older run's JSON ("load") has no plateau fields
+    old = argparse.Namespace(peak_streams=1000, low_streams=4, ramp_up_s=200.0, hold_s=45.0,
+                             ramp_down_s=10.0, low_s=60.0)
+    assert target_streams(147.2, old) == pytest.approx(736) and load_seconds(old) == 315
+
+
+def test_a_plateau_pauses_the_ramp_at_its_level() -> None:
+    args = parse_args(["--peak-streams", "1000", "--low-streams", "4", "--ramp-up-s", "100",
+                       "--plateau-streams", "650", "--plateau-s", "120", "--hold-s", "60",
+                       "--ramp-down-s", "10", "--low-s", "50"])
+    stages = load_stages(args)
+    assert [(s["stage"], s["from_t_s"], s["to_t_s"], s["from_streams"], s["to_streams"])
+            for s in stages] == [("ramp_up", 0, 65, 0, 650), ("plateau", 65, 185, 650, 650),
+                                 ("ramp_up", 185, 220, 650, 1000), ("peak", 220, 280, 1000, 1000),
+                                 ("ramp_down", 280, 290, 1000, 4), ("low", 290, 340, 4, 4)]
+    assert load_seconds(args) == 340 and peak_span_s(args) == (220, 280)
+    # the same slope (10 streams a second) before and after the plateau
+    assert target_streams(30, args) == pytest.approx(300)
+    assert target_streams(65, args) == target_streams(184.9, args) == 650
+    assert target_streams(195, args) == pytest.approx(750)
+    assert target_streams(250, args) == 1000 and target_streams(320, args) == 4
+    times = arrivals_s(args)
+    assert times == sorted(times) and times[-1] < 340
+    rate = 650 / (args.audio_seconds * 1.05)
+    on_plateau = [t for t in times if 65 <= t < 185]
+    assert abs(len(on_plateau) - rate * 120) < 4 * (rate * 120) ** 0.5
+
+
+@pytest.mark.parametrize("argv", [["--plateau-streams", "650"], ["--plateau-s", "60"],
+                                  ["--plateau-streams", "1000", "--plateau-s", "60"]])
+def test_a_plateau_needs_its_level_below_the_peak_and_its_length(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--peak-streams", "1000", *argv])
+
+
+def test_after_ready_ends_with_the_hold_at_the_peak_after_a_plateau() -> None:
+    args = parse_args(["--peak-streams", "10", "--ramp-up-s", "10", "--plateau-streams", "5",
+                       "--plateau-s", "20", "--hold-s", "10", "--ramp-down-s", "5",
+                       "--low-s", "20"])
+    assert peak_span_s(args) == (30, 40)
+    samples = ([{"t_s": t, "states": {"RUNNING": 1}} for t in range(0, 10)]
+               + [{"t_s": t, "states": {"RUNNING": 2}} for t in range(10, 65)])
+    # streams started at the peak (30-40 s) count as after ready, those of the ramp down not
+    rows = [{"start": float(t), "ok": True, "audio_s": 10.0,
+             "ttfb_s": 0.9 if t >= 40 else 0.3 if t >= 30 else 0.1} for t in range(0, 60)]
+    result = summarize(rows, samples, 0.0, 0.0, args)
+    assert result["second_replica_ready_t_s"] == 10
+    assert result["ttfb_ms_p99_after_ready"] == pytest.approx(300)
 
 
 def test_a_run_is_read_into_a_timeline_with_its_scale_events() -> None:
