@@ -55,6 +55,16 @@ from loadtest.service import ROOT, start_service, stop_service
 WINDOW_S = 5.0
 GPU_EVERY_S = 5.0  # NVML readings of every GPU, this often
 POLICY = "serve_app.gpu.autoscaling:EngineQueuePolicy"
+TTFB_RANGES_RULE = (
+    "A stream counts in the range in which its request was sent (its start on the load's "
+    "clock, s), wherever its first byte came; the timeline's 5 s windows too. before_scale_out: "
+    "from 0 to scale_out_decision_t_s (the controller's upscale log line; no decision: the whole "
+    "run); during_scale_up: from the decision to second_replica_ready_t_s (the first poll of "
+    "Serve's status, about every second, that saw 2 RUNNING replicas); after_ready: from then to "
+    "the end of the hold at peak_streams (the schedule's 'peak' stage), so it holds streams sent "
+    "while the first replica still carried the slower streams it had started before; "
+    "at_peak_after_ready: the hold at peak_streams from when 2 replicas were ready. "
+    "ttfb_ms_p99_before_scale_out, _during_scale_up and _after_ready are these ranges' p99.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -348,12 +358,18 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
     back = next((s["t_s"] for s in total if ready is not None and s["t_s"] > ready
                  and s["states"].get("RUNNING", 0) == 1 and sum(s["states"].values()) == 1), None)
 
-    def p99_between(start: float | None, stop: float | None) -> float | None:
-        if start is None:
-            return None
-        return percentile(ttfbs_between(start, stop if stop is not None else 1e9), 99)
+    def ttfb_range(start: float | None, stop: float | None) -> dict[str, Any]:
+        """The streams that started in [start, stop) (stop None: to the end of the run)."""
+        ttfbs = [] if start is None else ttfbs_between(start, stop if stop is not None else 1e9)
+        return {"from_t_s": start, "to_t_s": stop, "streams": len(ttfbs),
+                "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p99": percentile(ttfbs, 99)}
 
-    _, hold_end = peak_span_s(args)
+    peak_start, hold_end = peak_span_s(args)
+    both_at_peak = max(ready, peak_start) if ready is not None and ready < hold_end else None
+    ranges = {"before_scale_out": ttfb_range(0.0, decided),
+              "during_scale_up": ttfb_range(decided, ready),
+              "after_ready": ttfb_range(ready, hold_end),
+              "at_peak_after_ready": ttfb_range(both_at_peak, hold_end)}
     peak = max((row["replicas"] for row in timeline), default=0)
     return {
         "replicas_timeline": timeline, "scale_decisions": decisions,
@@ -364,9 +380,10 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
         "second_replica_ready_s": round(ready - decided, 1) if ready is not None
         and decided is not None else None,
         "back_to_one_t_s": back,
-        "ttfb_ms_p99_during_scale_up": p99_between(decided, ready),
-        "ttfb_ms_p99_after_ready": p99_between(ready, hold_end),
-        "ttfb_ms_p99_before_scale_out": p99_between(0.0, decided),
+        "ttfb_ms_p99_during_scale_up": ranges["during_scale_up"]["ttfb_ms_p99"],
+        "ttfb_ms_p99_after_ready": ranges["after_ready"]["ttfb_ms_p99"],
+        "ttfb_ms_p99_before_scale_out": ranges["before_scale_out"]["ttfb_ms_p99"],
+        "ttfb_ranges": ranges, "ttfb_ranges_rule": TTFB_RANGES_RULE,
     }
 
 

@@ -102,6 +102,31 @@ def test_after_ready_ends_with_the_hold_at_the_peak_after_a_plateau() -> None:
     result = summarize(rows, samples, 0.0, 0.0, args)
     assert result["second_replica_ready_t_s"] == 10
     assert result["ttfb_ms_p99_after_ready"] == pytest.approx(300)
+    ranges = result["ttfb_ranges"]
+    assert ranges["after_ready"] == {"from_t_s": 10, "to_t_s": 40, "streams": 30,
+                                     "ttfb_ms_p50": 100.0, "ttfb_ms_p99": pytest.approx(300)}
+    assert ranges["at_peak_after_ready"]["from_t_s"] == 30
+    assert ranges["at_peak_after_ready"]["streams"] == 10
+    assert ranges["at_peak_after_ready"]["ttfb_ms_p50"] == 300
+    assert ranges["before_scale_out"]["streams"] == 10
+    assert "request was sent" in result["ttfb_ranges_rule"]
+
+
+def test_the_ttfb_ranges_split_the_streams_by_their_start() -> None:
+    args = parse_args(["--peak-streams", "10", "--ramp-up-s", "5", "--hold-s", "30",
+                       "--ramp-down-s", "5", "--low-s", "40"])
+    samples = ([{"t_s": t, "states": {"RUNNING": 1}} for t in range(0, 12)]
+               + [{"t_s": t, "states": {"RUNNING": 1, "STARTING": 1}} for t in range(12, 25)]
+               + [{"t_s": t, "states": {"RUNNING": 2}} for t in range(25, 80)])
+    # a stream sent at 24 s whose first byte came at 26 s counts as during the scale-up
+    rows = [{"start": float(t), "ok": True, "audio_s": 10.0,
+             "ttfb_s": 2.0 if t == 24 else 0.1} for t in range(0, 50)]
+    ranges = summarize(rows, samples, 0.0, 0.0, args)["ttfb_ranges"]
+    assert {name: (r["from_t_s"], r["to_t_s"], r["streams"]) for name, r in ranges.items()} == {
+        "before_scale_out": (0.0, 12, 12), "during_scale_up": (12, 25, 13),
+        "after_ready": (25, 35, 10), "at_peak_after_ready": (25, 35, 10)}
+    assert ranges["during_scale_up"]["ttfb_ms_p99"] > 1000
+    assert ranges["after_ready"]["ttfb_ms_p99"] == pytest.approx(100)
 
 
 def test_a_run_is_read_into_a_timeline_with_its_scale_events() -> None:
