@@ -15,7 +15,8 @@ load one replica still holds, where the policy can scale out before the ramp goe
 peak). A level of N streams is an arrival rate, N / (1.05 ``--audio-seconds``) per second,
 bench_serve's read levels: the streams in engine slots are fewer while the engine runs faster
 than real time. Every second it reads the replicas' states from Serve (starting, running,
-stopping) and the engines' queue and slot occupancy from the metrics; per 5 s window of stream
+stopping) and the engines' queue, slot occupancy and step counters from the metrics, summed and
+per replica (the step time is what the policy's step budget reads); per 5 s window of stream
 starts, TTFB p50/p99. It writes the timeline, failed and cut streams (ended before their audio
 was complete), the time from the scale-out decision (a second replica appears) to it serving,
 and TTFB p99 before the decision, during the scale-up and after the second replica is ready,
@@ -253,32 +254,71 @@ class StatePoller:
             self.samples.append(sample)
             self._stop.wait(1.0)
 
-    def _gauges(self) -> dict[str, float]:
+    def _gauges(self) -> dict[str, Any]:
         if not self.metrics_url:
             return {}
         try:
             text = httpx.get(self.metrics_url, timeout=2).text
         except httpx.HTTPError:
             return {}
-        from prometheus_client.parser import text_string_to_metric_families
+        return engine_gauges(text)
 
-        from serve_app.observability.metrics import (
-            ENGINE_ACTIVE_STREAMS,
-            ENGINE_SLOTS,
-            QUEUED_REQUESTS,
-        )
 
-        # Ray exports the app's metrics with its "ray_" prefix.
-        summed = {f"ray_{QUEUED_REQUESTS}": "queued",
-                  f"ray_{ENGINE_ACTIVE_STREAMS}": "active_streams", f"ray_{ENGINE_SLOTS}": "slots"}
-        sums = dict.fromkeys(summed.values(), 0.0)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in summed:
-                    sums[summed[sample.name]] += sample.value
-        sums["slot_occupancy"] = round(sums["active_streams"] / sums["slots"], 3) \
-            if sums["slots"] else 0.0
-        return sums
+def engine_gauges(text: str) -> dict[str, Any]:
+    """The engines' queue, streams in slots, slots and step counters from one metrics scrape:
+    summed over the Synthesizer replicas, and per replica (Serve's ``replica`` label) with
+    their cumulative steps and busy seconds (:func:`step_ms_by_replica` reads the step time)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve_app.observability.metrics import (
+        ENGINE_ACTIVE_STREAMS,
+        ENGINE_SLOTS,
+        ENGINE_STEP_SECONDS_TOTAL,
+        ENGINE_STEPS_TOTAL,
+        QUEUED_REQUESTS,
+    )
+
+    # Ray exports the app's metrics with its "ray_" prefix.
+    fields = {f"ray_{QUEUED_REQUESTS}": "queued", f"ray_{ENGINE_ACTIVE_STREAMS}": "active_streams",
+              f"ray_{ENGINE_SLOTS}": "slots", f"ray_{ENGINE_STEPS_TOTAL}": "steps",
+              f"ray_{ENGINE_STEP_SECONDS_TOTAL}": "step_seconds"}
+    per_replica: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = fields.get(sample.name)
+            if field is not None:
+                replica = per_replica.setdefault(sample.labels.get("replica", ""),
+                                                 dict.fromkeys(fields.values(), 0.0))
+                replica[field] += sample.value
+    for values in per_replica.values():
+        values["slot_occupancy"] = round(values["active_streams"] / values["slots"], 3) \
+            if values["slots"] else 0.0
+    sums = {name: sum(r[name] for r in per_replica.values())
+            for name in ("queued", "active_streams", "slots")}
+    sums["slot_occupancy"] = round(sums["active_streams"] / sums["slots"], 3) \
+        if sums["slots"] else 0.0
+    return {**sums, "per_replica": per_replica}
+
+
+def step_ms_by_replica(samples: list[dict[str, Any]], before_t_s: float) -> dict[str, float]:
+    """Each replica's mean engine step (ms) over the last interval between two of its counter
+    exports seen before ``before_t_s`` (Ray exports about every 10 s): busy seconds over steps
+    run, what the policy's step budget reads (MiniCPM-o's budget: 5 frames, 106.7 ms)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for sample in samples:
+        if sample["t_s"] >= before_t_s:
+            break
+        for replica, values in (sample.get("per_replica") or {}).items():
+            seen = points.setdefault(replica, [])
+            point = (values.get("steps", 0.0), values.get("step_seconds", 0.0))
+            if not seen or seen[-1] != point:
+                seen.append(point)
+    step_ms = {}
+    for replica, seen in points.items():
+        if len(seen) >= 2 and seen[-1][0] > seen[-2][0]:
+            (steps_a, busy_a), (steps_b, busy_b) = seen[-2], seen[-1]
+            step_ms[replica] = round(1000 * (busy_b - busy_a) / (steps_b - steps_a), 1)
+    return step_ms
 
 
 def metrics_url() -> str | None:
@@ -349,7 +389,8 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
             "slot_occupancy": max((s.get("slot_occupancy", 0.0) for s in window), default=0.0),
             "streams_started": len(starts), "ttfb_ms_p50": percentile(ttfbs, 50),
             "ttfb_ms_p99": percentile(ttfbs, 99),
-            "gpus": next((s["gpus"] for s in reversed(window) if s.get("gpus")), [])})
+            "gpus": next((s["gpus"] for s in reversed(window) if s.get("gpus")), []),
+            "per_replica": _per_replica_window(window, step_ms_by_replica(samples, high))})
     total = [s for s in samples if "states" in s]
     decisions = scale_decisions(log_text, load_t0_s)
     decided = next((d["t_s"] for d in decisions if d["action"] == "upscaling"),
@@ -385,6 +426,21 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
         "ttfb_ms_p99_before_scale_out": ranges["before_scale_out"]["ttfb_ms_p99"],
         "ttfb_ranges": ranges, "ttfb_ranges_rule": TTFB_RANGES_RULE,
     }
+
+
+def _per_replica_window(window: list[dict[str, Any]], step_ms: dict[str, float]
+                        ) -> dict[str, dict[str, Any]]:
+    """Per replica in a window: its largest slot occupancy and queue, and its step time."""
+    replicas: dict[str, dict[str, Any]] = {}
+    for sample in window:
+        for replica, values in (sample.get("per_replica") or {}).items():
+            row = replicas.setdefault(replica, {"slot_occupancy": 0.0, "active_streams": 0.0,
+                                                "queued": 0.0})
+            for name in row:
+                row[name] = max(row[name], values.get(name, 0.0))
+    for replica, row in replicas.items():
+        row["step_ms"] = step_ms.get(replica)
+    return replicas
 
 
 def _went(timeline: list[dict[str, Any]]) -> list[int]:

@@ -11,11 +11,13 @@ from loadtest.bench_autoscale import (
     POLICY,
     arrivals_s,
     autoscale_config,
+    engine_gauges,
     load_seconds,
     load_stages,
     parse_args,
     peak_span_s,
     scale_decisions,
+    step_ms_by_replica,
     summarize,
     target_streams,
 )
@@ -167,3 +169,64 @@ def test_gpu_readings_land_in_their_window() -> None:
     windows = {row["t_s"]: row["gpus"] for row in result["replicas_timeline"]}
     assert windows[5.0] == reading  # the window that holds the reading
     assert windows[0.0] == [] and windows[10.0] == []
+
+
+SCRAPE = """\
+# HELP ray_tts_engine_active_streams Streams holding an engine batch slot
+# TYPE ray_tts_engine_active_streams gauge
+ray_tts_engine_active_streams{deployment="Synthesizer",replica="a"} 300.0
+ray_tts_engine_active_streams{deployment="Synthesizer",replica="b"} 36.0
+# HELP ray_tts_engine_slots Batch slots of the engine (max_slots)
+# TYPE ray_tts_engine_slots gauge
+ray_tts_engine_slots{deployment="Synthesizer",replica="a"} 736.0
+ray_tts_engine_slots{deployment="Synthesizer",replica="b"} 736.0
+# HELP ray_tts_queued_requests Requests waiting
+# TYPE ray_tts_queued_requests gauge
+ray_tts_queued_requests{deployment="Synthesizer",replica="a",stage="admission"} 2.0
+ray_tts_queued_requests{deployment="Synthesizer",replica="a",stage="engine"} 5.0
+ray_tts_queued_requests{deployment="Synthesizer",replica="b",stage="engine"} 0.0
+# HELP ray_tts_engine_steps_total Engine batch steps run
+# TYPE ray_tts_engine_steps_total counter
+ray_tts_engine_steps_total{deployment="Synthesizer",replica="a"} 1000.0
+ray_tts_engine_steps_total{deployment="Synthesizer",replica="b"} 10.0
+# HELP ray_tts_engine_step_seconds_total Wall-clock seconds the engine spent running steps
+# TYPE ray_tts_engine_step_seconds_total counter
+ray_tts_engine_step_seconds_total{deployment="Synthesizer",replica="a"} 30.0
+ray_tts_engine_step_seconds_total{deployment="Synthesizer",replica="b"} 0.1
+# HELP ray_tts_ttfb_seconds Time to first byte
+# TYPE ray_tts_ttfb_seconds gauge
+ray_tts_ttfb_seconds{deployment="Ingress",replica="i"} 9.0
+"""
+
+
+def test_a_scrape_is_read_per_replica_and_summed() -> None:
+    gauges = engine_gauges(SCRAPE)
+    assert gauges["active_streams"] == 336 and gauges["slots"] == 1472 and gauges["queued"] == 7
+    assert gauges["slot_occupancy"] == round(336 / 1472, 3)
+    assert set(gauges["per_replica"]) == {"a", "b"}
+    a = gauges["per_replica"]["a"]
+    assert (a["active_streams"], a["queued"], a["slots"], a["steps"], a["step_seconds"]) == (
+        300, 7, 736, 1000, 30)
+    assert a["slot_occupancy"] == round(300 / 736, 3)
+
+
+def test_step_time_per_replica_comes_from_its_counters_between_exports() -> None:
+    def sample(t_s: float, steps: float, busy_s: float) -> dict:
+        return {"t_s": t_s, "states": {"RUNNING": 1},
+                "per_replica": {"a": {"steps": steps, "step_seconds": busy_s,
+                                      "active_streams": 300.0, "slot_occupancy": 0.4,
+                                      "queued": 3.0}}}
+
+    # counters exported every ~10 s: repeated readings in between
+    samples = [sample(0, 100, 2.0), sample(2, 100, 2.0), sample(10, 300, 8.0),
+               sample(12, 300, 8.0), sample(20, 400, 12.0)]
+    assert step_ms_by_replica(samples, 5) == {}  # one export seen: no interval yet
+    assert step_ms_by_replica(samples, 15) == {"a": 30.0}  # (8 - 2) s / 200 steps
+    assert step_ms_by_replica(samples, 25) == {"a": 40.0}
+    args = parse_args(["--peak-streams", "10", "--ramp-up-s", "5", "--hold-s", "10",
+                       "--ramp-down-s", "5", "--low-s", "5"])
+    rows = summarize([], samples, 0.0, 0.0, args)["replicas_timeline"]
+    by_t = {row["t_s"]: row["per_replica"] for row in rows}
+    assert by_t[10.0] == {"a": {"slot_occupancy": 0.4, "active_streams": 300.0, "queued": 3.0,
+                                "step_ms": 30.0}}
+    assert by_t[0.0]["a"]["step_ms"] is None
