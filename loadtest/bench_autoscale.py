@@ -526,9 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}", flush=True)
+        plot(result, args.out.with_suffix(".png"))  # before the teardown too, for the same reason
     finally:
         stop_service(service)
-    plot(result, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items()
                       if k not in ("replicas_timeline", "served_config", "raw_samples")}, indent=2))
     return 0
