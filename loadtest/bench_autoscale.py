@@ -8,13 +8,19 @@ at ``--replica-gpus`` GPUs per replica (two replicas share one GPU at 0.5, each 
 ``--gpu-memory-gb`` and ``--max-slots``), ``min_replicas`` 1 and ``max_replicas`` ``--max-replicas``,
 and shorter delays than production (``--upscale-delay-s``, ``--downscale-delay-s``) so a whole
 cycle fits one run. Locust (``ScheduledListener``) replays Poisson arrivals of fixed-length read
-streams whose rate follows a ramp: up to ``--peak-streams`` concurrent streams (past one
-replica's slots), held, then down to ``--low-streams``. Every second it reads the replicas'
-states from Serve (starting, running, stopping) and every 5 s the engines' queue and slot
-occupancy from the metrics; per 5 s window of stream starts, TTFB p50/p99. It writes the
-timeline, failed and cut streams (ended before their audio was complete), the time from the
-scale-out decision (a second replica appears) to it serving, and TTFB p99 during the scale-up
-and after the second replica is ready, as JSON and a PNG.
+streams whose rate follows a schedule (:func:`load_stages`, written into the JSON): a ramp up to
+``--peak-streams`` (past one replica's real-time load), held, then down to ``--low-streams``;
+with ``--plateau-streams`` and ``--plateau-s`` the ramp pauses at that level for that long (a
+load one replica still holds, where the policy can scale out before the ramp goes on to the
+peak). A level of N streams is an arrival rate, N / (1.05 ``--audio-seconds``) per second,
+bench_serve's read levels: the streams in engine slots are fewer while the engine runs faster
+than real time. Every second it reads the replicas' states from Serve (starting, running,
+stopping) and the engines' queue, slot occupancy and step counters from the metrics, summed and
+per replica (the step time is what the policy's step budget reads); per 5 s window of stream
+starts, TTFB p50/p99. It writes the timeline, failed and cut streams (ended before their audio
+was complete), the time from the scale-out decision (a second replica appears) to it serving,
+and TTFB p99 before the decision, during the scale-up and after the second replica is ready,
+as JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -50,6 +56,16 @@ from loadtest.service import ROOT, start_service, stop_service
 WINDOW_S = 5.0
 GPU_EVERY_S = 5.0  # NVML readings of every GPU, this often
 POLICY = "serve_app.gpu.autoscaling:EngineQueuePolicy"
+TTFB_RANGES_RULE = (
+    "A stream counts in the range in which its request was sent (its start on the load's "
+    "clock, s), wherever its first byte came; the timeline's 5 s windows too. before_scale_out: "
+    "from 0 to scale_out_decision_t_s (the controller's upscale log line; no decision: the whole "
+    "run); during_scale_up: from the decision to second_replica_ready_t_s (the first poll of "
+    "Serve's status, about every second, that saw 2 RUNNING replicas); after_ready: from then to "
+    "the end of the hold at peak_streams (the schedule's 'peak' stage), so it holds streams sent "
+    "while the first replica still carried the slower streams it had started before; "
+    "at_peak_after_ready: the hold at peak_streams from when 2 replicas were ready. "
+    "ttfb_ms_p99_before_scale_out, _during_scale_up and _after_ready are these ranges' p99.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,8 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-chat-slots", type=int, default=32)
     parser.add_argument("--peak-streams", type=int, default=240)
     parser.add_argument("--low-streams", type=int, default=4)
-    parser.add_argument("--ramp-up-s", type=float, default=30.0)
-    parser.add_argument("--hold-s", type=float, default=180.0)
+    parser.add_argument("--ramp-up-s", type=float, default=30.0,
+                        help="seconds from 0 to --peak-streams, not counting a plateau")
+    parser.add_argument("--plateau-streams", type=int, default=0,
+                        help="the ramp up pauses at this level (0 < N < --peak-streams) ...")
+    parser.add_argument("--plateau-s", type=float, default=0.0,
+                        help="... for this long, then goes on at the same slope (0: no plateau)")
+    parser.add_argument("--hold-s", type=float, default=180.0,
+                        help="seconds at --peak-streams")
     parser.add_argument("--ramp-down-s", type=float, default=10.0)
     parser.add_argument("--low-s", type=float, default=100.0)
     parser.add_argument("--audio-seconds", type=float, default=10.0)
@@ -85,7 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-autoscale.log")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "autoscale-h100.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.plateau_s > 0) != (args.plateau_streams > 0):
+        parser.error("--plateau-streams and --plateau-s come together")
+    if args.plateau_s > 0 and not 0 < args.plateau_streams < args.peak_streams:
+        parser.error("--plateau-streams must be between 0 and --peak-streams")
+    return args
 
 
 def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -129,16 +156,52 @@ def autoscale_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def load_stages(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The load's schedule: stages of linear change in offered streams, back to back from 0 s.
+
+    Ramp up from 0 to ``peak_streams`` over ``ramp_up_s``; with a plateau (``plateau_streams``
+    for ``plateau_s``, optional: namespaces from older runs have none) the ramp pauses there and
+    then goes on at the same slope; ``hold_s`` at the peak, ``ramp_down_s`` to ``low_streams``,
+    ``low_s`` there."""
+    peak, low = args.peak_streams, args.low_streams
+    plateau = getattr(args, "plateau_streams", 0) or 0
+    plateau_s = getattr(args, "plateau_s", 0.0) or 0.0
+    if plateau_s > 0 and 0 < plateau < peak:
+        share = plateau / peak
+        legs = [("ramp_up", 0, plateau, args.ramp_up_s * share),
+                ("plateau", plateau, plateau, plateau_s),
+                ("ramp_up", plateau, peak, args.ramp_up_s * (1 - share))]
+    else:
+        legs = [("ramp_up", 0, peak, args.ramp_up_s)]
+    legs += [("peak", peak, peak, args.hold_s), ("ramp_down", peak, low, args.ramp_down_s),
+             ("low", low, low, args.low_s)]
+    stages, at = [], 0.0
+    for name, start, end, seconds in legs:
+        stages.append({"stage": name, "from_t_s": round(at, 3), "to_t_s": round(at + seconds, 3),
+                       "from_streams": start, "to_streams": end})
+        at += seconds
+    return stages
+
+
+def load_seconds(args: argparse.Namespace) -> float:
+    """How long the load runs: the end of its last stage."""
+    return load_stages(args)[-1]["to_t_s"]
+
+
+def peak_span_s(args: argparse.Namespace) -> tuple[float, float]:
+    """When the load holds ``peak_streams``: (start, end) on the load's clock."""
+    [peak] = [s for s in load_stages(args) if s["stage"] == "peak"]
+    return peak["from_t_s"], peak["to_t_s"]
+
+
 def target_streams(t_s: float, args: argparse.Namespace) -> float:
-    """The ramp: concurrent streams wanted ``t_s`` after the load starts."""
-    up, hold, down = args.ramp_up_s, args.hold_s, args.ramp_down_s
-    if t_s < up:
-        return args.peak_streams * t_s / up
-    if t_s < up + hold:
-        return args.peak_streams
-    if t_s < up + hold + down:
-        share = (t_s - up - hold) / down
-        return args.peak_streams + (args.low_streams - args.peak_streams) * share
+    """The schedule (:func:`load_stages`): concurrent streams wanted ``t_s`` after the load
+    starts."""
+    for stage in load_stages(args):
+        if t_s < stage["to_t_s"]:
+            span = stage["to_t_s"] - stage["from_t_s"]
+            share = (t_s - stage["from_t_s"]) / span if span > 0 else 1.0
+            return stage["from_streams"] + (stage["to_streams"] - stage["from_streams"]) * share
     return args.low_streams
 
 
@@ -148,7 +211,7 @@ def arrivals_s(args: argparse.Namespace, seed: int = 0) -> list[float]:
     rng = random.Random(seed)
     period = args.audio_seconds * 1.05
     peak_rate = max(args.peak_streams, args.low_streams) / period
-    end = args.ramp_up_s + args.hold_s + args.ramp_down_s + args.low_s
+    end = load_seconds(args)
     times, now = [], 0.0
     while True:
         now += rng.expovariate(peak_rate)
@@ -191,32 +254,71 @@ class StatePoller:
             self.samples.append(sample)
             self._stop.wait(1.0)
 
-    def _gauges(self) -> dict[str, float]:
+    def _gauges(self) -> dict[str, Any]:
         if not self.metrics_url:
             return {}
         try:
             text = httpx.get(self.metrics_url, timeout=2).text
         except httpx.HTTPError:
             return {}
-        from prometheus_client.parser import text_string_to_metric_families
+        return engine_gauges(text)
 
-        from serve_app.observability.metrics import (
-            ENGINE_ACTIVE_STREAMS,
-            ENGINE_SLOTS,
-            QUEUED_REQUESTS,
-        )
 
-        # Ray exports the app's metrics with its "ray_" prefix.
-        summed = {f"ray_{QUEUED_REQUESTS}": "queued",
-                  f"ray_{ENGINE_ACTIVE_STREAMS}": "active_streams", f"ray_{ENGINE_SLOTS}": "slots"}
-        sums = dict.fromkeys(summed.values(), 0.0)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in summed:
-                    sums[summed[sample.name]] += sample.value
-        sums["slot_occupancy"] = round(sums["active_streams"] / sums["slots"], 3) \
-            if sums["slots"] else 0.0
-        return sums
+def engine_gauges(text: str) -> dict[str, Any]:
+    """The engines' queue, streams in slots, slots and step counters from one metrics scrape:
+    summed over the Synthesizer replicas, and per replica (Serve's ``replica`` label) with
+    their cumulative steps and busy seconds (:func:`step_ms_by_replica` reads the step time)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve_app.observability.metrics import (
+        ENGINE_ACTIVE_STREAMS,
+        ENGINE_SLOTS,
+        ENGINE_STEP_SECONDS_TOTAL,
+        ENGINE_STEPS_TOTAL,
+        QUEUED_REQUESTS,
+    )
+
+    # Ray exports the app's metrics with its "ray_" prefix.
+    fields = {f"ray_{QUEUED_REQUESTS}": "queued", f"ray_{ENGINE_ACTIVE_STREAMS}": "active_streams",
+              f"ray_{ENGINE_SLOTS}": "slots", f"ray_{ENGINE_STEPS_TOTAL}": "steps",
+              f"ray_{ENGINE_STEP_SECONDS_TOTAL}": "step_seconds"}
+    per_replica: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = fields.get(sample.name)
+            if field is not None:
+                replica = per_replica.setdefault(sample.labels.get("replica", ""),
+                                                 dict.fromkeys(fields.values(), 0.0))
+                replica[field] += sample.value
+    for values in per_replica.values():
+        values["slot_occupancy"] = round(values["active_streams"] / values["slots"], 3) \
+            if values["slots"] else 0.0
+    sums = {name: sum(r[name] for r in per_replica.values())
+            for name in ("queued", "active_streams", "slots")}
+    sums["slot_occupancy"] = round(sums["active_streams"] / sums["slots"], 3) \
+        if sums["slots"] else 0.0
+    return {**sums, "per_replica": per_replica}
+
+
+def step_ms_by_replica(samples: list[dict[str, Any]], before_t_s: float) -> dict[str, float]:
+    """Each replica's mean engine step (ms) over the last interval between two of its counter
+    exports seen before ``before_t_s`` (Ray exports about every 10 s): busy seconds over steps
+    run, what the policy's step budget reads (MiniCPM-o's budget: 5 frames, 106.7 ms)."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for sample in samples:
+        if sample["t_s"] >= before_t_s:
+            break
+        for replica, values in (sample.get("per_replica") or {}).items():
+            seen = points.setdefault(replica, [])
+            point = (values.get("steps", 0.0), values.get("step_seconds", 0.0))
+            if not seen or seen[-1] != point:
+                seen.append(point)
+    step_ms = {}
+    for replica, seen in points.items():
+        if len(seen) >= 2 and seen[-1][0] > seen[-2][0]:
+            (steps_a, busy_a), (steps_b, busy_b) = seen[-2], seen[-1]
+            step_ms[replica] = round(1000 * (busy_b - busy_a) / (steps_b - steps_a), 1)
+    return step_ms
 
 
 def metrics_url() -> str | None:
@@ -287,7 +389,8 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
             "slot_occupancy": max((s.get("slot_occupancy", 0.0) for s in window), default=0.0),
             "streams_started": len(starts), "ttfb_ms_p50": percentile(ttfbs, 50),
             "ttfb_ms_p99": percentile(ttfbs, 99),
-            "gpus": next((s["gpus"] for s in reversed(window) if s.get("gpus")), [])})
+            "gpus": next((s["gpus"] for s in reversed(window) if s.get("gpus")), []),
+            "per_replica": _per_replica_window(window, step_ms_by_replica(samples, high))})
     total = [s for s in samples if "states" in s]
     decisions = scale_decisions(log_text, load_t0_s)
     decided = next((d["t_s"] for d in decisions if d["action"] == "upscaling"),
@@ -296,12 +399,18 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
     back = next((s["t_s"] for s in total if ready is not None and s["t_s"] > ready
                  and s["states"].get("RUNNING", 0) == 1 and sum(s["states"].values()) == 1), None)
 
-    def p99_between(start: float | None, stop: float | None) -> float | None:
-        if start is None:
-            return None
-        return percentile(ttfbs_between(start, stop if stop is not None else 1e9), 99)
+    def ttfb_range(start: float | None, stop: float | None) -> dict[str, Any]:
+        """The streams that started in [start, stop) (stop None: to the end of the run)."""
+        ttfbs = [] if start is None else ttfbs_between(start, stop if stop is not None else 1e9)
+        return {"from_t_s": start, "to_t_s": stop, "streams": len(ttfbs),
+                "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p99": percentile(ttfbs, 99)}
 
-    hold_end = args.ramp_up_s + args.hold_s
+    peak_start, hold_end = peak_span_s(args)
+    both_at_peak = max(ready, peak_start) if ready is not None and ready < hold_end else None
+    ranges = {"before_scale_out": ttfb_range(0.0, decided),
+              "during_scale_up": ttfb_range(decided, ready),
+              "after_ready": ttfb_range(ready, hold_end),
+              "at_peak_after_ready": ttfb_range(both_at_peak, hold_end)}
     peak = max((row["replicas"] for row in timeline), default=0)
     return {
         "replicas_timeline": timeline, "scale_decisions": decisions,
@@ -312,10 +421,26 @@ def summarize(rows: list[dict[str, Any]], samples: list[dict[str, Any]], load_t0
         "second_replica_ready_s": round(ready - decided, 1) if ready is not None
         and decided is not None else None,
         "back_to_one_t_s": back,
-        "ttfb_ms_p99_during_scale_up": p99_between(decided, ready),
-        "ttfb_ms_p99_after_ready": p99_between(ready, hold_end),
-        "ttfb_ms_p99_before_scale_out": p99_between(0.0, decided),
+        "ttfb_ms_p99_during_scale_up": ranges["during_scale_up"]["ttfb_ms_p99"],
+        "ttfb_ms_p99_after_ready": ranges["after_ready"]["ttfb_ms_p99"],
+        "ttfb_ms_p99_before_scale_out": ranges["before_scale_out"]["ttfb_ms_p99"],
+        "ttfb_ranges": ranges, "ttfb_ranges_rule": TTFB_RANGES_RULE,
     }
+
+
+def _per_replica_window(window: list[dict[str, Any]], step_ms: dict[str, float]
+                        ) -> dict[str, dict[str, Any]]:
+    """Per replica in a window: its largest slot occupancy and queue, and its step time."""
+    replicas: dict[str, dict[str, Any]] = {}
+    for sample in window:
+        for replica, values in (sample.get("per_replica") or {}).items():
+            row = replicas.setdefault(replica, {"slot_occupancy": 0.0, "active_streams": 0.0,
+                                                "queued": 0.0})
+            for name in row:
+                row[name] = max(row[name], values.get(name, 0.0))
+    for replica, row in replicas.items():
+        row["step_ms"] = step_ms.get(replica)
+    return replicas
 
 
 def _went(timeline: list[dict[str, Any]]) -> list[int]:
@@ -390,9 +515,10 @@ def main(argv: list[str] | None = None) -> int:
                   "git_commit": git_commit(), "policy": POLICY,
                   "command": " ".join(["scripts/bench_autoscale", *sys.argv[1:]]),
                   "load": {k: getattr(args, k) for k in (
-                      "peak_streams", "low_streams", "ramp_up_s", "hold_s", "ramp_down_s",
-                      "low_s", "audio_seconds", "max_slots", "gpu_memory_gb", "upscale_delay_s",
-                      "downscale_delay_s")},
+                      "peak_streams", "low_streams", "ramp_up_s", "plateau_streams",
+                      "plateau_s", "hold_s", "ramp_down_s", "low_s", "audio_seconds",
+                      "max_slots", "gpu_memory_gb", "upscale_delay_s", "downscale_delay_s")},
+                  "schedule": load_stages(args),
                   "served_config": config,
                   **summarize(rows, poller.samples, load_t0, poller.t0, args,
                               args.log.read_text(errors="replace") if args.log.exists() else ""),
@@ -400,9 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}", flush=True)
+        plot(result, args.out.with_suffix(".png"))  # before the teardown too, for the same reason
     finally:
         stop_service(service)
-    plot(result, args.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items()
                       if k not in ("replicas_timeline", "served_config", "raw_samples")}, indent=2))
     return 0
