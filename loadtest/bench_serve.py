@@ -5,9 +5,13 @@
 It starts ``serve_config.yaml`` as users run it (``serve run``), with the benchmark-only engine
 setting (full-size random weights, every stream ``--audio-seconds`` long, chat answers
 ``--chat-tokens`` tokens) and the engine options ``scripts/bench_engine.py`` uses, on one
-Synthesizer replica (one GPU). Then, per mode and level, Locust (``loadtest/locustfile.py``,
+Synthesizer replica (one GPU); the CPU profile (``--config serve_config.cpu.yaml``) runs
+without that setting, which is MiniCPM-o's: Piper speaks the text, its streams as long as it is.
+Then, per mode and level, Locust (``loadtest/locustfile.py``,
 ``ScheduledListener``) replays the arrivals ``bench_engine.py`` uses: a burst of N streams, or
-Poisson arrivals holding N streams (2N requests). Per level it records TTFB p50/p90/p99, the
+Poisson arrivals holding N streams (2N requests), on the native route (pcm), or with ``--sse``
+on OpenAI's as server-sent events, with word times too with ``--word-timestamps``
+(``scripts/bench_timestamps`` compares the two). Per level it records TTFB p50/p90/p99, the
 share of streams that never ran dry, audio seconds per second, Locust's own summary, and the CPU
 each deployment's processes used. The engine-alone numbers come from a ``bench_engine.py`` JSON
 of the same machine (``--engine-results``); the output puts both side by side.
@@ -39,6 +43,8 @@ from loadtest.report import load_records
 from loadtest.service import ROOT, replicas, start_service, stop_service
 
 APP = "tts"
+NATIVE_ROUTE = "/v1/speech/stream"
+OPENAI_ROUTE = "/v1/audio/speech"
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 READ_TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving. "
              "The weather today is sunny and warm, and I hope you have a wonderful day ahead.")
@@ -56,9 +62,10 @@ SINGLE_STREAM_GAP_MIN_S = 3.0
 TTFB_P99_LIMIT_MS = 500.0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="scripts/bench_serve",
-                                     description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, *, prog: str = "scripts/bench_serve",
+               description: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog,
+                                     description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml")
     parser.add_argument("--config-engine-options", action="store_true",
                         help="keep --config's engine options (a deployment profile, e.g. "
@@ -94,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="register this many cloned voices over HTTP (synthetic 5 s clips) "
                              "and spread every level's requests over them; level 1 also runs "
                              "in the default voice, for single-stream TTFB side by side")
+    parser.add_argument("--sse", action="store_true",
+                        help="stream over POST /v1/audio/speech as server-sent events (pcm, "
+                             "read only) instead of the native route; TTFB is still the first "
+                             "audio byte (the first event with audio)")
+    parser.add_argument("--word-timestamps", action="store_true",
+                        help="--sse, each stream asking timestamp_granularities [\"word\"]")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1,
                         help="CPUs of the Ray cluster the service starts on (this machine's): "
@@ -106,7 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write the benchmark serve config here and exit (for scripts/soak)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="join result JSONs of one GPU and commit into --out, and exit")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.sse = args.sse or args.word_timestamps
+    if args.sse and "chat" in args.modes:
+        parser.error("--sse and --word-timestamps stream OpenAI's route, which reads only: "
+                     "--modes read")
+    return args
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -132,12 +150,15 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     [app] = config["applications"]
     app["name"] = APP
     options = app["args"].setdefault("engine_options", {})
-    if not args.config_engine_options:
+    minicpmo = app["args"].get("engine", "piper") == "minicpmo"
+    if minicpmo and not args.config_engine_options:
         options.update(BENCH_ENGINE_OPTIONS)
     options.update(_options(args.engine_option))
-    options["benchmark"] = {"random_weights": args.checkpoint is None,
-                            "tts_tokenizer": str(args.tts_tokenizer),
-                            "audio_seconds": args.audio_seconds, "chat_tokens": args.chat_tokens}
+    if minicpmo:  # the benchmark setting is MiniCPM-o's; Piper (CPU profile) speaks the text
+        options["benchmark"] = {"random_weights": args.checkpoint is None,
+                                "tts_tokenizer": str(args.tts_tokenizer),
+                                "audio_seconds": args.audio_seconds,
+                                "chat_tokens": args.chat_tokens}
     if args.checkpoint is not None:
         options["model"] = str(args.checkpoint.resolve())
     if args.env:
@@ -429,16 +450,15 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
     users = len(times)
     # All users exist before the first arrival; a burst then starts together.
     t0 = time.time() + 3.0 + users / 200
-    body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
-            "sample_rate": 24000}
+    route, body, label = stream_request(mode, args)
     # Numbered in run order, so a repeated level gets files of its own.
     run = len(list(work.glob("*.schedule.json")))
     name = f"{run:02d}-{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
     meter = CpuMeter()
     log_offset = args.log.stat().st_size if args.log.exists() else 0
     started = time.monotonic()
-    locust, rows = replay_schedule(base_url, work, name, t0, body, f"/v1/speech/stream {mode}",
-                                   times, args.audio_seconds, voices=voices, csv=True)
+    locust, rows = replay_schedule(base_url, work, name, t0, body, label, times,
+                                   args.audio_seconds, voices=voices, csv=True, route=route)
     wall = time.monotonic() - started
     cpu = meter.percent()
     level_log = _read_from(args.log, log_offset)
@@ -449,6 +469,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
             if rows else wall)
     result = {
         "mode": mode, "arrival": arrival, "concurrency": level, "voices": len(voices or []),
+        "route": label,
         "requests": users,
         "completed": len(ok), "failures": len(rows) - len(ok) + (users - len(rows)),
         "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
@@ -465,6 +486,10 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
         "locust_exit_code": locust.returncode,
     }
+    if args.sse:  # the words each stream's events carried (none unless asked for)
+        words = [r.get("words") or 0 for r in ok]
+        result["streams_with_words"] = sum(count > 0 for count in words)
+        result["words_per_stream_p50"] = percentile(words, 50)
     result["ok"] = bool(result["realtime_share"] >= REALTIME_SHARE
                         and (result["ttfb_ms_p99"] or 1e9) <= TTFB_P99_LIMIT_MS)
     if locust.returncode not in (0, 1):
@@ -476,13 +501,14 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
 def replay_schedule(base_url: str, work: Path, name: str, t0: float, body: dict[str, Any],
                     label: str, times: list[float], audio_seconds: float, *,
                     voices: list[str] | None = None, stop_timeout_s: int = 30,
-                    timeout_margin_s: int = 120, csv: bool = False,
+                    timeout_margin_s: int = 120, csv: bool = False, route: str = NATIVE_ROUTE,
                     ) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
-    """Locust's ``ScheduledListener`` starts one stream of ``body`` per arrival in ``times``
-    (seconds after the epoch ``t0``), its schedule and records in ``work`` as ``name``.*, and
-    Locust's stats CSVs there too with ``csv``; Locust's exit and the per-stream records."""
+    """Locust's ``ScheduledListener`` starts one stream of ``body`` to ``route`` (pcm at 24 kHz,
+    as bytes or server-sent events) per arrival in ``times`` (seconds after the epoch ``t0``),
+    its schedule and records in ``work`` as ``name``.*, and Locust's stats CSVs there too with
+    ``csv``; Locust's exit and the per-stream records."""
     schedule = work / f"{name}.schedule.json"
-    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
+    schedule.write_text(json.dumps({"t0": t0, "route": route, "body": body,
                                     "name": label, "format": "pcm", "sample_rate": 24000,
                                     "arrivals_s": times, "voices": voices or []}))
     records = work / f"{name}.jsonl"
@@ -517,11 +543,25 @@ def refinement(sweep: list[dict[str, Any]], mode: str, step: int) -> list[int]:
     return list(range(best + step, min(failed), step))
 
 
-def speak_once(base_url: str, body: dict[str, Any]) -> float:
-    """One whole stream on /v1/speech/stream; its time to first audio in ms."""
+def stream_request(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
+    """The route, body and Locust name of a level's streams: the native route (pcm, 24 kHz);
+    with ``--sse`` OpenAI's as server-sent events (pcm, 24 kHz, the same text), asking for word
+    times with ``--word-timestamps`` (the one difference between the two)."""
+    if not args.sse:
+        return NATIVE_ROUTE, {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode,
+                              "format": "pcm", "sample_rate": 24000}, f"{NATIVE_ROUTE} {mode}"
+    body = {"model": "tts-1", "voice": "alloy", "input": READ_TEXT, "response_format": "pcm",
+            "stream_format": "sse"}
+    if args.word_timestamps:
+        body["timestamp_granularities"] = ["word"]
+    return OPENAI_ROUTE, body, f"{OPENAI_ROUTE} sse" + (" words" if args.word_timestamps else "")
+
+
+def speak_once(base_url: str, body: dict[str, Any], route: str = NATIVE_ROUTE) -> float:
+    """One whole stream on ``route``; its time to first byte in ms."""
     started = time.perf_counter()
     ttfb_ms = 0.0
-    with httpx.stream("POST", f"{base_url}/v1/speech/stream", json=body, timeout=300,
+    with httpx.stream("POST", f"{base_url}{route}", json=body, timeout=300,
                       headers=_auth_headers()) as response:
         response.raise_for_status()
         for piece in response.iter_bytes():
@@ -530,12 +570,12 @@ def speak_once(base_url: str, body: dict[str, Any]) -> float:
     return ttfb_ms
 
 
-def warm_up(base_url: str, mode: str) -> None:
-    """One unrecorded request per mode first, as bench_engine.py warms each mode: the first
-    call through each deployment handle sets up its router and connections. (Cloned voices are
-    primed by :func:`register_voices`.)"""
-    speak_once(base_url, {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode,
-                          "format": "pcm", "sample_rate": 24000})
+def warm_up(base_url: str, mode: str, args: argparse.Namespace) -> None:
+    """One unrecorded request per mode first, as the levels will make it, as bench_engine.py
+    warms each mode: the first call through each deployment handle sets up its router and
+    connections. (Cloned voices are primed by :func:`register_voices`.)"""
+    route, body, _ = stream_request(mode, args)
+    speak_once(base_url, body, route)
 
 
 def _auth_headers() -> dict[str, str]:
@@ -694,6 +734,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_sweep(base_url: str, args: argparse.Namespace, work: Path,
+              voices: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every mode's levels on the service at ``base_url``, one row per level and arrival:
+    single streams first, then the larger levels, then the refinement."""
+    levels = levels_by_mode(args)
+    sweep: list[dict[str, Any]] = []
+    # Single streams of every mode first, on a service that has carried no load yet.
+    for mode in args.modes:
+        warm_up(base_url, mode, args)
+        if 1 in levels[mode]:
+            if voices:  # single stream in the default voice too
+                sweep.append(run_level(base_url, mode, 1, "single", args, work))
+            sweep.append(run_level(base_url, mode, 1, "single", args, work, voices))
+    for mode in args.modes:
+        for level in [level for level in levels[mode] if level > 1]:
+            rows = [run_level(base_url, mode, level, arrival, args, work, voices)
+                    for arrival in args.arrivals]
+            sweep.extend(rows)
+            if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
+                   if r["arrival"] == "poisson"):
+                break
+        for level in refinement(sweep, mode, args.refine_step):
+            sweep.append(run_level(base_url, mode, level, "poisson", args, work, voices))
+            if not sweep[-1]["ok"]:
+                break
+    return sweep
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{args.port}"
     config = bench_config(args)
@@ -701,32 +769,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.reuse:
         service = start_service(config, base_url, args.log, ready_timeout_s=900)
     models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
-    levels = levels_by_mode(args)
     sweep: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     registration = None
     try:
         registration = register_voices(base_url, args.voices) if args.voices else None
-        voices = registration["ids"] if registration else None
-        # Single streams of every mode first, on a service that has carried no load yet.
-        for mode in args.modes:
-            warm_up(base_url, mode)
-            if 1 in levels[mode]:
-                if voices:  # single stream in the default voice too
-                    sweep.append(run_level(base_url, mode, 1, "single", args, work))
-                sweep.append(run_level(base_url, mode, 1, "single", args, work, voices))
-        for mode in args.modes:
-            for level in [level for level in levels[mode] if level > 1]:
-                rows = [run_level(base_url, mode, level, arrival, args, work, voices)
-                        for arrival in args.arrivals]
-                sweep.extend(rows)
-                if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
-                       if r["arrival"] == "poisson"):
-                    break
-            for level in refinement(sweep, mode, args.refine_step):
-                sweep.append(run_level(base_url, mode, level, "poisson", args, work, voices))
-                if not sweep[-1]["ok"]:
-                    break
+        sweep = run_sweep(base_url, args, work, registration["ids"] if registration else None)
     finally:
         if service is not None and not args.keep_running:
             stop_service(service)
