@@ -11,10 +11,11 @@ option not listed here is bench_serve's and means what it means there). Each arm
 bench_serve's sweep of read streams over ``POST /v1/audio/speech`` with ``stream_format: sse``
 and pcm: single streams (level 1), then Poisson arrivals (``--arrivals``, Poisson unless given)
 at each other level. The arms differ in one thing, ``timestamp_granularities: ["word"]``, and
-run in the order off, on, off (``--rounds N``: off, then on, off N times, so every on run has an
-off run on each side): the off runs show how much the numbers move with nothing changed (the
-machine's load, the service's warm-up), which is the noise the on runs are judged against.
-Every arm measures every level (no refinement, no early stop), so their rows line up.
+measure each level in the order off, on, off (``--rounds N``: off, then on, off N times, so
+every on run has an off run on each side) before the next level: the off runs show how much the
+numbers move with nothing changed (the machine's load, the service's warm-up), which is the
+noise the on runs are judged against. Every arm measures every level (no refinement, no early
+stop), so their rows line up.
 
 TTFB is the time to the first event that carries audio. ``cost`` holds, for single-stream TTFB
 p50 and the maximum real-time streams (bench_serve's rule), and per level for TTFB p50 / p99 and
@@ -83,25 +84,32 @@ def level_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def run_arms(base_url: str, args: argparse.Namespace, voices: list[str] | None
              ) -> list[dict[str, Any]]:
+    """Every arm at each level in turn (off, on, off, ...), then the next level: runs compared
+    at a level are at most minutes apart, so the machine's load drifts less between them than
+    over whole sweeps."""
     work = Path(tempfile.mkdtemp(prefix="bench-timestamps-"))
-    arms = []
-    order = arm_order(args.rounds)
-    for index, (name, words) in enumerate(order):
-        this = arm_args(args, words)
-        route, body, label = bench_serve.stream_request("read", this)
-        print(f"arm {index + 1} of {len(order)}: {name} ({label})", flush=True)
-        load_before = os.getloadavg()[0]
-        sweep = bench_serve.run_sweep(base_url, this, work, voices)
-        headline = bench_serve.headline(sweep)
-        arms.append({
-            "arm": name, "run": sum(arm["arm"] == name for arm in arms) + 1,
-            "word_timestamps": words, "route": route,
-            "body": {key: value for key, value in body.items() if key != "input"},
-            "single_stream": headline["single_stream"]["read"],
-            "max_realtime_streams": headline["max_realtime_streams"]["read"],
-            "load_average_1m": {"before": round(load_before, 2),
-                                "after": round(os.getloadavg()[0], 2)},
-            "levels": [level_row(row) for row in sweep]})
+    arms: list[dict[str, Any]] = []
+    for name, words in arm_order(args.rounds):
+        route, body, label = bench_serve.stream_request("read", arm_args(args, words))
+        arms.append({"arm": name, "run": sum(arm["arm"] == name for arm in arms) + 1,
+                     "word_timestamps": words, "route": route, "label": label,
+                     "body": {key: value for key, value in body.items() if key != "input"},
+                     "levels": []})
+    for words in (False, True):  # one unrecorded request as each arm makes them
+        bench_serve.warm_up(base_url, "read", arm_args(args, words))
+    for level in sorted(set(args.read_levels)):
+        for arrival in ["single"] if level == 1 else args.arrivals:
+            for arm in arms:
+                print(f"level {level} {arrival}: {arm['arm']} {arm['run']} ({arm['label']})",
+                      flush=True)
+                load = os.getloadavg()[0]
+                row = bench_serve.run_level(base_url, "read", level, arrival,
+                                            arm_args(args, arm["word_timestamps"]), work, voices)
+                arm["levels"].append({**level_row(row), "load_average_1m_before": round(load, 2)})
+    for arm in arms:
+        headline = bench_serve.headline(arm["levels"])
+        arm["single_stream"] = headline["single_stream"].get("read", {"ttfb_ms_p50": None})
+        arm["max_realtime_streams"] = headline["max_realtime_streams"].get("read", 0)
     return arms
 
 
