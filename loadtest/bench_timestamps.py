@@ -1,14 +1,15 @@
 """What word timestamps cost the served path: the same levels streamed as server-sent events
 without them, with them, and without them again, on one service.
 
-    scripts/bench_timestamps --config serve_config.cpu.yaml --read-levels 1 2 3 \\
-        --out docs/benchmarks/timestamps-cpu.json                          # the CPU profile
+    scripts/bench_timestamps --config serve_config.cpu.yaml --read-levels 1 3 6 \\
+        --audio-seconds 8.8 --ttfb-p99-limit-ms 2000 --single-requests 10 --rounds 2 \\
+        --out docs/benchmarks/timestamps-cpu.json                 # the CPU profile (Piper)
     scripts/bench_timestamps --config-engine-options --read-levels 1 736 \\
-        --out timestamps-h100.json                                         # a GPU, as shipped
+        --single-requests 10 --out timestamps-h100.json           # a GPU, serve_config.yaml
 
 The service is ``scripts/bench_serve``'s (``serve run`` of ``--config``, started once; every
-option not listed here is bench_serve's and means what it means there). Each arm is
-bench_serve's sweep of read streams over ``POST /v1/audio/speech`` with ``stream_format: sse``
+option not listed here is bench_serve's and means what it means there). Each arm runs
+bench_serve's levels of read streams over ``POST /v1/audio/speech`` with ``stream_format: sse``
 and pcm: single streams (level 1), then Poisson arrivals (``--arrivals``, Poisson unless given)
 at each other level. The arms differ in one thing, ``timestamp_granularities: ["word"]``, and
 measure each level in the order off, on, off (``--rounds N``: off, then on, off N times, so
