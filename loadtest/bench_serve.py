@@ -5,9 +5,13 @@
 It starts ``serve_config.yaml`` as users run it (``serve run``), with the benchmark-only engine
 setting (full-size random weights, every stream ``--audio-seconds`` long, chat answers
 ``--chat-tokens`` tokens) and the engine options ``scripts/bench_engine.py`` uses, on one
-Synthesizer replica (one GPU). Then, per mode and level, Locust (``loadtest/locustfile.py``,
+Synthesizer replica (one GPU); the CPU profile (``--config serve_config.cpu.yaml``) runs
+without that setting, which is MiniCPM-o's: Piper speaks the text, its streams as long as it is.
+Then, per mode and level, Locust (``loadtest/locustfile.py``,
 ``ScheduledListener``) replays the arrivals ``bench_engine.py`` uses: a burst of N streams, or
-Poisson arrivals holding N streams (2N requests). Per level it records TTFB p50/p90/p99, the
+Poisson arrivals holding N streams (2N requests), on the native route (pcm), or with ``--sse``
+on OpenAI's as server-sent events, with word times too with ``--word-timestamps``
+(``scripts/bench_timestamps`` compares the two). Per level it records TTFB p50/p90/p99, the
 share of streams that never ran dry, audio seconds per second, Locust's own summary, and the CPU
 each deployment's processes used. The engine-alone numbers come from a ``bench_engine.py`` JSON
 of the same machine (``--engine-results``); the output puts both side by side.
@@ -23,7 +27,6 @@ import io
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -32,13 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import yaml
 
 from loadtest.report import load_records
+from loadtest.served_logs import engine_busy, locust_summary, percentile, ttfb_breakdown
 from loadtest.service import ROOT, replicas, start_service, stop_service
 
 APP = "tts"
+NATIVE_ROUTE = "/v1/speech/stream"
+OPENAI_ROUTE = "/v1/audio/speech"
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 READ_TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving. "
              "The weather today is sunny and warm, and I hope you have a wonderful day ahead.")
@@ -56,9 +61,10 @@ SINGLE_STREAM_GAP_MIN_S = 3.0
 TTFB_P99_LIMIT_MS = 500.0
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="scripts/bench_serve",
-                                     description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, *, prog: str = "scripts/bench_serve",
+               description: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog,
+                                     description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml")
     parser.add_argument("--config-engine-options", action="store_true",
                         help="keep --config's engine options (a deployment profile, e.g. "
@@ -88,12 +94,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="between a mode's largest real-time level and the next level "
                              "measured, try levels this many streams apart, upwards, until one "
                              "fails (0: off)")
+    parser.add_argument("--single-requests", type=int, default=SINGLE_STREAM_REQUESTS,
+                        help="requests of a single-stream level, one after another")
+    parser.add_argument("--ttfb-p99-limit-ms", type=float, default=TTFB_P99_LIMIT_MS,
+                        help="a level is real-time only with p99 TTFB at most this (the CPU "
+                             "profile's first audio alone takes about 0.3-0.5 s)")
     parser.add_argument("--stop-after-ttfb-ms", type=float, default=1500.0,
                         help="skip a mode's larger levels once p99 TTFB passes this")
     parser.add_argument("--voices", type=int, default=0,
                         help="register this many cloned voices over HTTP (synthetic 5 s clips) "
                              "and spread every level's requests over them; level 1 also runs "
                              "in the default voice, for single-stream TTFB side by side")
+    parser.add_argument("--sse", action="store_true",
+                        help="stream over POST /v1/audio/speech as server-sent events (pcm, "
+                             "read only) instead of the native route; TTFB is still the first "
+                             "audio byte (the first event with audio)")
+    parser.add_argument("--word-timestamps", action="store_true",
+                        help="--sse, each stream asking timestamp_granularities [\"word\"]")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1,
                         help="CPUs of the Ray cluster the service starts on (this machine's): "
@@ -106,7 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write the benchmark serve config here and exit (for scripts/soak)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="join result JSONs of one GPU and commit into --out, and exit")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.sse = args.sse or args.word_timestamps
+    if args.sse and "chat" in args.modes:
+        parser.error("--sse and --word-timestamps stream OpenAI's route, which reads only: "
+                     "--modes read")
+    return args
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -132,12 +154,15 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     [app] = config["applications"]
     app["name"] = APP
     options = app["args"].setdefault("engine_options", {})
-    if not args.config_engine_options:
+    minicpmo = app["args"].get("engine", "piper") == "minicpmo"
+    if minicpmo and not args.config_engine_options:
         options.update(BENCH_ENGINE_OPTIONS)
     options.update(_options(args.engine_option))
-    options["benchmark"] = {"random_weights": args.checkpoint is None,
-                            "tts_tokenizer": str(args.tts_tokenizer),
-                            "audio_seconds": args.audio_seconds, "chat_tokens": args.chat_tokens}
+    if minicpmo:  # the benchmark setting is MiniCPM-o's; Piper (CPU profile) speaks the text
+        options["benchmark"] = {"random_weights": args.checkpoint is None,
+                                "tts_tokenizer": str(args.tts_tokenizer),
+                                "audio_seconds": args.audio_seconds,
+                                "chat_tokens": args.chat_tokens}
     if args.checkpoint is not None:
         options["model"] = str(args.checkpoint.resolve())
     if args.env:
@@ -216,16 +241,17 @@ def replica_cpus(deployment: dict[str, Any]) -> float:
     return float(deployment.get("ray_actor_options", {}).get("num_cpus", 1))
 
 
-def arrivals_s(level: int, arrival: str, audio_seconds: float) -> list[float]:
+def arrivals_s(level: int, arrival: str, audio_seconds: float,
+               single_requests: int = SINGLE_STREAM_REQUESTS) -> list[float]:
     """bench_engine.py's arrivals: N at once, or Poisson holding about N streams (2N); or
-    ``single``: :data:`SINGLE_STREAM_REQUESTS` requests one after another, each starting
+    ``single``: ``single_requests`` requests one after another, each starting
     :data:`SINGLE_STREAM_GAP_SHARE` of the audio's length after the last (at least
     :data:`SINGLE_STREAM_GAP_MIN_S`): the engine generates a stream several times faster than
     real time (RTF about 0.1 for one stream), so the last one has finished and no two overlap
     (bench_engine.py's single-stream TTFB is likewise one stream at a time)."""
     if arrival == "single":
         gap_s = max(SINGLE_STREAM_GAP_MIN_S, audio_seconds * SINGLE_STREAM_GAP_SHARE)
-        return [i * gap_s for i in range(SINGLE_STREAM_REQUESTS)]
+        return [i * gap_s for i in range(single_requests)]
     if arrival == "burst":
         return [0.0] * level
     rng = random.Random(level)
@@ -289,113 +315,6 @@ class CpuMeter:
                                     for name, s in sorted(used.items())}}
 
 
-INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
-SYNTHESIZER_LINE = re.compile(
-    r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)"
-    r"(?: engine_sent_ms=([\d.]+|-) replica_received_ms=([\d.]+|-)"
-    r" replica_dispatched_ms=([\d.]+|-))?")
-# The Synthesizer replica's leg of a first chunk, split by the clock readings its log line
-# carries (ms since the request reached the replica): name -> (later reading, earlier one).
-REPLICA_LEG = {
-    # arrival -> the engine process submitted it (its send time minus the engine's own TTFB):
-    # @serve.batch admission and the submission to the engine process
-    "to_engine_ms": ("sent", "engine"),
-    # the engine process's sink took the chunk -> the replica's reader thread read it
-    "engine_to_reader_ms": ("received", "sent"),
-    # the reader thread -> the replica's event loop put it in the stream's inbox
-    "reader_to_loop_ms": ("dispatched", "received"),
-    # the inbox -> the chunk left the replica (Serve took it from the stream)
-    "loop_to_out_ms": ("replica", "dispatched"),
-}
-
-
-BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)"
-                       r"(?:.*? cpu_ms_per_step=([\d.]+))?"
-                       r"(?:.*? llm_steps=(\d+))?(?:.*? device_memory_peak_gb=([\d.]+))?")
-
-
-def engine_busy(log_text: str) -> dict[str, Any] | None:
-    """The served engine's steps and its time per step (inside steps, idle left out) over the
-    level, from the synthesizer's busy-period log lines: bench_engine.py's
-    ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here, and
-    its step thread's CPU time per step (``step_cpu_ms_per_step``)."""
-    periods = [(int(m[1]), float(m[2]), float(m[3] or 0) * int(m[1]), int(m[4] or 0),
-                float(m[5] or 0)) for m in BUSY_LINE.finditer(log_text)]
-    steps = sum(p[0] for p in periods)
-    if not steps:
-        return None
-    busy_s = sum(p[1] for p in periods)
-    return {"steps": steps, "busy_s": round(busy_s, 3),
-            "busy_ms_per_step": round(busy_s * 1000 / steps, 3),
-            "step_cpu_ms_per_step": round(sum(p[2] for p in periods) / steps, 3),
-            "llm_steps_per_step": round(sum(p[3] for p in periods) / steps, 3),
-            "device_memory_peak_gb": max(p[4] for p in periods)}
-
-
-def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Where the served TTFB goes, per request of the level, from the client's record and the
-    service's log lines (the ingress's and the synthesizer's, matched by request id): p50 and
-    p99 of the client's TTFB, the ingress's (arrival there to first body byte), the
-    synthesizer replica's (arrival to first chunk) and the engine's (submission to first
-    audio, where the first chunk carried it); ``hops_ms`` is the client's minus the engine's,
-    request by request; ``replica_leg`` splits the replica's time around the engine's
-    (:data:`REPLICA_LEG`). ``requests`` counts the matched requests, ``requests_ok`` the
-    level's."""
-    ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
-    readings = {m[1]: {"replica": float(m[2]), "engine": _reading(m[3]), "sent": _reading(m[4]),
-                       "received": _reading(m[5]), "dispatched": _reading(m[6])}
-                for m in SYNTHESIZER_LINE.finditer(log_text)}
-    ok = [r for r in rows if r.get("ok") and r.get("ttfb_s") is not None]
-    joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]],
-               readings[r["request_id"]]["replica"], readings[r["request_id"]]["engine"])
-              for r in ok if r.get("request_id") in ingress and r.get("request_id") in readings]
-    if not joined:
-        return None
-    result: dict[str, Any] = {"requests": len(joined), "requests_ok": len(ok)}
-    for index, name in enumerate(("client", "ingress", "synthesizer", "engine")):
-        values = [row[index] for row in joined if row[index] is not None]
-        result[f"{name}_ms"] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-    hops = [client - engine for client, _, _, engine in joined if engine is not None]
-    result["hops_ms"] = {"p50": percentile(hops, 50), "p99": percentile(hops, 99)}
-    matched = [readings[r["request_id"]] for r in ok if r.get("request_id") in readings]
-    leg = {}
-    for name, (later, earlier) in REPLICA_LEG.items():
-        values = [row[later] - row[earlier] for row in matched
-                  if row[later] is not None and row[earlier] is not None]
-        if values:
-            leg[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-    if leg:
-        result["replica_leg"] = leg
-    return result
-
-
-def _reading(text: str | None) -> float | None:
-    return None if text in (None, "-") else float(text)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 1) if values else None
-
-
-def locust_summary(stats_csv: Path) -> dict[str, Any]:
-    """Locust's own numbers for the stream (POST) and TTFB rows."""
-    import csv
-
-    summary: dict[str, Any] = {}
-    if not stats_csv.exists():
-        return summary
-    with stats_csv.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row["Name"] == "Aggregated":
-                continue
-            summary[row["Type"]] = {
-                "requests": int(row["Request Count"]), "failures": int(row["Failure Count"]),
-                "requests_per_s": round(float(row["Requests/s"]), 2),
-                "p50_ms": float(row["50%"]), "p90_ms": float(row["90%"]),
-                "p99_ms": float(row["99%"])}
-    return summary
-
-
 def register_voices(base_url: str, count: int) -> dict[str, Any]:
     """``count`` cloned voices created through POST /v1/audio/voices from deterministic
     synthetic 5 s clips; their ids and how long each creation took (the clip's embedding)."""
@@ -425,20 +344,19 @@ def register_voices(base_url: str, count: int) -> dict[str, Any]:
 
 def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse.Namespace,
               work: Path, voices: list[str] | None = None) -> dict[str, Any]:
-    times = arrivals_s(level, arrival, args.audio_seconds)
+    times = arrivals_s(level, arrival, args.audio_seconds, args.single_requests)
     users = len(times)
     # All users exist before the first arrival; a burst then starts together.
     t0 = time.time() + 3.0 + users / 200
-    body = {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode, "format": "pcm",
-            "sample_rate": 24000}
+    route, body, label = stream_request(mode, args)
     # Numbered in run order, so a repeated level gets files of its own.
     run = len(list(work.glob("*.schedule.json")))
     name = f"{run:02d}-{mode}-{arrival}-{level}" + (f"-{len(voices)}voices" if voices else "")
     meter = CpuMeter()
     log_offset = args.log.stat().st_size if args.log.exists() else 0
     started = time.monotonic()
-    locust, rows = replay_schedule(base_url, work, name, t0, body, f"/v1/speech/stream {mode}",
-                                   times, args.audio_seconds, voices=voices, csv=True)
+    locust, rows = replay_schedule(base_url, work, name, t0, body, label, times,
+                                   args.audio_seconds, voices=voices, csv=True, route=route)
     wall = time.monotonic() - started
     cpu = meter.percent()
     level_log = _read_from(args.log, log_offset)
@@ -449,6 +367,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
             if rows else wall)
     result = {
         "mode": mode, "arrival": arrival, "concurrency": level, "voices": len(voices or []),
+        "route": label,
         "requests": users,
         "completed": len(ok), "failures": len(rows) - len(ok) + (users - len(rows)),
         "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
@@ -465,8 +384,12 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
         "locust_exit_code": locust.returncode,
     }
+    if args.sse:  # the words each stream's events carried (none unless asked for)
+        words = [r.get("words") or 0 for r in ok]
+        result["streams_with_words"] = sum(count > 0 for count in words)
+        result["words_per_stream_p50"] = percentile(words, 50)
     result["ok"] = bool(result["realtime_share"] >= REALTIME_SHARE
-                        and (result["ttfb_ms_p99"] or 1e9) <= TTFB_P99_LIMIT_MS)
+                        and (result["ttfb_ms_p99"] or 1e9) <= args.ttfb_p99_limit_ms)
     if locust.returncode not in (0, 1):
         result["locust_stderr"] = locust.stderr[-2000:]
     print(json.dumps({k: v for k, v in result.items() if k != "locust"}), flush=True)
@@ -476,13 +399,14 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
 def replay_schedule(base_url: str, work: Path, name: str, t0: float, body: dict[str, Any],
                     label: str, times: list[float], audio_seconds: float, *,
                     voices: list[str] | None = None, stop_timeout_s: int = 30,
-                    timeout_margin_s: int = 120, csv: bool = False,
+                    timeout_margin_s: int = 120, csv: bool = False, route: str = NATIVE_ROUTE,
                     ) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
-    """Locust's ``ScheduledListener`` starts one stream of ``body`` per arrival in ``times``
-    (seconds after the epoch ``t0``), its schedule and records in ``work`` as ``name``.*, and
-    Locust's stats CSVs there too with ``csv``; Locust's exit and the per-stream records."""
+    """Locust's ``ScheduledListener`` starts one stream of ``body`` to ``route`` (pcm at 24 kHz,
+    as bytes or server-sent events) per arrival in ``times`` (seconds after the epoch ``t0``),
+    its schedule and records in ``work`` as ``name``.*, and Locust's stats CSVs there too with
+    ``csv``; Locust's exit and the per-stream records."""
     schedule = work / f"{name}.schedule.json"
-    schedule.write_text(json.dumps({"t0": t0, "route": "/v1/speech/stream", "body": body,
+    schedule.write_text(json.dumps({"t0": t0, "route": route, "body": body,
                                     "name": label, "format": "pcm", "sample_rate": 24000,
                                     "arrivals_s": times, "voices": voices or []}))
     records = work / f"{name}.jsonl"
@@ -517,11 +441,25 @@ def refinement(sweep: list[dict[str, Any]], mode: str, step: int) -> list[int]:
     return list(range(best + step, min(failed), step))
 
 
-def speak_once(base_url: str, body: dict[str, Any]) -> float:
-    """One whole stream on /v1/speech/stream; its time to first audio in ms."""
+def stream_request(mode: str, args: argparse.Namespace) -> tuple[str, dict[str, Any], str]:
+    """The route, body and Locust name of a level's streams: the native route (pcm, 24 kHz);
+    with ``--sse`` OpenAI's as server-sent events (pcm, 24 kHz, the same text), asking for word
+    times with ``--word-timestamps`` (the one difference between the two)."""
+    if not args.sse:
+        return NATIVE_ROUTE, {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode,
+                              "format": "pcm", "sample_rate": 24000}, f"{NATIVE_ROUTE} {mode}"
+    body = {"model": "tts-1", "voice": "alloy", "input": READ_TEXT, "response_format": "pcm",
+            "stream_format": "sse"}
+    if args.word_timestamps:
+        body["timestamp_granularities"] = ["word"]
+    return OPENAI_ROUTE, body, f"{OPENAI_ROUTE} sse" + (" words" if args.word_timestamps else "")
+
+
+def speak_once(base_url: str, body: dict[str, Any], route: str = NATIVE_ROUTE) -> float:
+    """One whole stream on ``route``; its time to first byte in ms."""
     started = time.perf_counter()
     ttfb_ms = 0.0
-    with httpx.stream("POST", f"{base_url}/v1/speech/stream", json=body, timeout=300,
+    with httpx.stream("POST", f"{base_url}{route}", json=body, timeout=300,
                       headers=_auth_headers()) as response:
         response.raise_for_status()
         for piece in response.iter_bytes():
@@ -530,12 +468,12 @@ def speak_once(base_url: str, body: dict[str, Any]) -> float:
     return ttfb_ms
 
 
-def warm_up(base_url: str, mode: str) -> None:
-    """One unrecorded request per mode first, as bench_engine.py warms each mode: the first
-    call through each deployment handle sets up its router and connections. (Cloned voices are
-    primed by :func:`register_voices`.)"""
-    speak_once(base_url, {"text": READ_TEXT if mode == "read" else CHAT_TEXT, "mode": mode,
-                          "format": "pcm", "sample_rate": 24000})
+def warm_up(base_url: str, mode: str, args: argparse.Namespace) -> None:
+    """One unrecorded request per mode first, as the levels will make it, as bench_engine.py
+    warms each mode: the first call through each deployment handle sets up its router and
+    connections. (Cloned voices are primed by :func:`register_voices`.)"""
+    route, body, _ = stream_request(mode, args)
+    speak_once(base_url, body, route)
 
 
 def _auth_headers() -> dict[str, str]:
@@ -694,6 +632,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_sweep(base_url: str, args: argparse.Namespace, work: Path,
+              voices: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every mode's levels on the service at ``base_url``, one row per level and arrival:
+    single streams first, then the larger levels, then the refinement."""
+    levels = levels_by_mode(args)
+    sweep: list[dict[str, Any]] = []
+    # Single streams of every mode first, on a service that has carried no load yet.
+    for mode in args.modes:
+        warm_up(base_url, mode, args)
+        if 1 in levels[mode]:
+            if voices:  # single stream in the default voice too
+                sweep.append(run_level(base_url, mode, 1, "single", args, work))
+            sweep.append(run_level(base_url, mode, 1, "single", args, work, voices))
+    for mode in args.modes:
+        for level in [level for level in levels[mode] if level > 1]:
+            rows = [run_level(base_url, mode, level, arrival, args, work, voices)
+                    for arrival in args.arrivals]
+            sweep.extend(rows)
+            if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
+                   if r["arrival"] == "poisson"):
+                break
+        for level in refinement(sweep, mode, args.refine_step):
+            sweep.append(run_level(base_url, mode, level, "poisson", args, work, voices))
+            if not sweep[-1]["ok"]:
+                break
+    return sweep
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     base_url = f"http://127.0.0.1:{args.port}"
     config = bench_config(args)
@@ -701,32 +667,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.reuse:
         service = start_service(config, base_url, args.log, ready_timeout_s=900)
     models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
-    levels = levels_by_mode(args)
     sweep: list[dict[str, Any]] = []
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     registration = None
     try:
         registration = register_voices(base_url, args.voices) if args.voices else None
-        voices = registration["ids"] if registration else None
-        # Single streams of every mode first, on a service that has carried no load yet.
-        for mode in args.modes:
-            warm_up(base_url, mode)
-            if 1 in levels[mode]:
-                if voices:  # single stream in the default voice too
-                    sweep.append(run_level(base_url, mode, 1, "single", args, work))
-                sweep.append(run_level(base_url, mode, 1, "single", args, work, voices))
-        for mode in args.modes:
-            for level in [level for level in levels[mode] if level > 1]:
-                rows = [run_level(base_url, mode, level, arrival, args, work, voices)
-                        for arrival in args.arrivals]
-                sweep.extend(rows)
-                if any((r["ttfb_ms_p99"] or 1e9) > args.stop_after_ttfb_ms for r in rows
-                       if r["arrival"] == "poisson"):
-                    break
-            for level in refinement(sweep, mode, args.refine_step):
-                sweep.append(run_level(base_url, mode, level, "poisson", args, work, voices))
-                if not sweep[-1]["ok"]:
-                    break
+        sweep = run_sweep(base_url, args, work, registration["ids"] if registration else None)
     finally:
         if service is not None and not args.keep_running:
             stop_service(service)
@@ -736,7 +682,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "served_config": config, "benchmark_mode": models[0].get("benchmark_mode"),
         "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
         "rule": f"a level is real-time when >= {REALTIME_SHARE:.0%} of its streams never ran "
-                f"dry and p99 TTFB <= {TTFB_P99_LIMIT_MS:g} ms (Poisson arrivals)",
+                f"dry and p99 TTFB <= {args.ttfb_p99_limit_ms:g} ms (Poisson arrivals)",
         "engine": engine_part(args.engine_results),
         "served": {**headline(sweep), "sweep": sweep},
     }

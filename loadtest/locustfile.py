@@ -21,6 +21,10 @@ including streams still open when the run ended (``ok: null``; Locust itself dro
 a fixed arrival schedule instead: ``LOADTEST_SCHEDULE`` names a JSON file ``{"t0": epoch s,
 "route": ..., "body": {...}, "format": ..., "sample_rate": ..., "arrivals_s": [...]}``; user i
 starts its one stream at ``t0 + arrivals_s[i]`` and stops, and the run quits after the last one.
+A body with ``"stream_format": "sse"`` is read as OpenAI's speech events
+(``loadtest/sse_audio.py``): TTFB is the time to the first event with audio, the audio is the
+events' (base64-decoded), an ``error`` event or a body without ``speech.audio.done`` is a
+failure, and the record counts the ``words`` the events carried (word timestamps).
 
 Every record says whether the stream was real-time: a player that starts at the first byte
 never runs dry (each piece arrives before the audio already received has played out).
@@ -55,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # locust imports u
 
 from loadtest.audio_bytes import AudioCounter
 from loadtest.corpus import CHAT, parse_mix, pick
+from loadtest.sse_audio import SseAudio
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +114,9 @@ class _Listener(HttpUser):
             self.client.headers["authorization"] = f"Bearer {api_key}"
 
     def _stream(self, path: str, body: dict[str, Any], name: str, length: str,
-                audio: AudioCounter) -> None:
+                audio: AudioCounter, events: SseAudio | None = None) -> None:
+        """One stream to its end; with ``events``, the body is server-sent events and the
+        audio is theirs."""
         started_at = time.time()
         started = time.perf_counter()
         request_id = uuid.uuid4().hex  # the service logs it at every hop
@@ -131,6 +138,8 @@ class _Listener(HttpUser):
                 else:
                     try:
                         for piece in response.iter_content(chunk_size=None):
+                            if events is not None:
+                                piece = events.audio_of(piece)
                             if piece:
                                 now = time.perf_counter()
                                 if ttfb_s is None:
@@ -144,6 +153,8 @@ class _Listener(HttpUser):
                     except (RequestException, ValueError) as exc:
                         error = (f"stream broken after {audio.body_bytes} bytes: "
                                  f"{type(exc).__name__}")
+                    if error is None and events is not None:
+                        error = events.failure()
                     if error is None and audio.audio_s <= 0:
                         error = "stream ended without audio"
                 total_s = time.perf_counter() - started
@@ -158,7 +169,8 @@ class _Listener(HttpUser):
             # failure, and Locust drops it too; the records keep it as unfinished.
             self._record(started_at, name, length, None, status, ttfb_s,
                          time.perf_counter() - started, audio, "unfinished when the run ended",
-                         realtime=False, request_id=request_id, longest_gap_s=longest_gap_s)
+                         realtime=False, request_id=request_id, longest_gap_s=longest_gap_s,
+                         words=events.words if events is not None else None)
             raise
         if error is None:
             self._fire("TTFB", name, ttfb_s * 1000)
@@ -166,18 +178,19 @@ class _Listener(HttpUser):
             self._fire("RTF", name, total_s / audio.audio_s * 1000)
         self._record(started_at, name, length, error is None, status, ttfb_s, total_s, audio,
                      error, realtime=error is None and not ran_dry, request_id=request_id,
-                     longest_gap_s=longest_gap_s)
+                     longest_gap_s=longest_gap_s,
+                     words=events.words if events is not None else None)
 
     def _record(self, started_at: float, name: str, length: str, ok: bool | None,
                 status: int | None, ttfb_s: float | None, total_s: float, audio: AudioCounter,
                 error: str | None, realtime: bool, request_id: str | None = None,
-                longest_gap_s: float | None = None) -> None:
+                longest_gap_s: float | None = None, words: int | None = None) -> None:
         runner = self.environment.runner
         RECORDS.write({
             "request_id": request_id, "start": started_at, "route": name, "length": length, "ok": ok, "status": status,
             "ttfb_s": ttfb_s, "total_s": total_s, "audio_s": audio.audio_s,
             "bytes": audio.body_bytes, "error": error, "realtime": realtime,
-            "longest_gap_s": longest_gap_s,
+            "longest_gap_s": longest_gap_s, "words": words,
             "users": runner.user_count if runner else None,
         })
 
@@ -263,9 +276,10 @@ class ScheduledListener(_Listener):
         body = plan["body"]
         if plan.get("voices"):  # spread over registered voices, round-robin
             body = {**body, "voice": plan["voices"][index % len(plan["voices"])]}
+        events = SseAudio() if body.get("stream_format") == "sse" else None
         try:
             self._stream(plan["route"], body, plan["name"], plan["name"],
-                         AudioCounter(plan["format"], plan["sample_rate"]))
+                         AudioCounter(plan["format"], plan["sample_rate"]), events)
         finally:
             ScheduledListener._finished += 1
             if ScheduledListener._finished == len(arrivals):

@@ -9,8 +9,9 @@ than when its 32 KiB I/O buffer fills.
 The encoder starts with 1024 samples of priming and pads the last frame, and ADTS cannot say
 so: decoders give up to 2048 samples more than went in (as MP3 without a gapless tag does).
 
-PyAV is imported when a writer is made, not with this module: it is only needed for ``aac``
-(:func:`pyav_missing` says whether it can be).
+PyAV is a dependency of the service, but it is imported when a writer is made, not with this
+module: a server installed without it (the GPU benchmark machine's wheels leave it out) serves
+every other format and refuses ``aac`` (:func:`pyav_missing` says whether it can be encoded).
 """
 
 from __future__ import annotations

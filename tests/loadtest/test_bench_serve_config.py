@@ -64,3 +64,19 @@ def test_ingress_replicas_fit_the_machines_cpus() -> None:
     assert small["Ingress"]["num_replicas"] == 3 < ingress["num_replicas"]
     assert small["Ingress"]["num_replicas"] * app["args"]["api"]["max_streams"] >= peak
     assert small["Ingress"]["max_ongoing_requests"] > app["args"]["api"]["max_streams"]
+
+
+def test_the_cpu_profile_runs_as_shipped_with_its_engines_own_options() -> None:
+    """serve_config.cpu.yaml (Piper): the benchmark setting and bench_engine.py's options are
+    MiniCPM-o's and stay out, so its engine options are the profile's and ``serve run``'s own
+    check (AppArgs) takes them; the Synthesizer is one replica, as on a GPU."""
+    from serve_app.config import AppArgs
+
+    shipped = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text(encoding="utf-8"))
+    config = bench_config(parse_args(["--config", str(ROOT / "serve_config.cpu.yaml"),
+                                      "--modes", "read", "--read-levels", "1", "3",
+                                      "--cpus", "2", "--word-timestamps"]))
+    [app] = config["applications"]
+    assert app["args"]["engine_options"] == shipped["applications"][0]["args"]["engine_options"]
+    assert AppArgs.model_validate(app["args"]).engine == "piper"
+    assert deployments(config)["Synthesizer"]["num_replicas"] == 1

@@ -1,6 +1,7 @@
-"""bench_serve's TTFB breakdown reads the lines the service writes: the Synthesizer's first-chunk
-line (with the clock readings of the chunk's way back from the engine process) and the
-ingress's request line, and splits the replica's leg around the engine's own TTFB."""
+"""bench_serve's TTFB breakdown (loadtest/served_logs.py) reads the lines the service writes:
+the Synthesizer's first-chunk line (with the clock readings of the chunk's way back from the
+engine process) and the ingress's request line, and splits the replica's leg around the
+engine's own TTFB."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import numpy as np
 
-from loadtest.bench_serve import REPLICA_LEG, ttfb_breakdown
+from loadtest.served_logs import REPLICA_LEG, ttfb_breakdown
 from serve_app.engines.base import AudioChunk
 from serve_app.gpu.engine_client import stamp_way_back
 from serve_app.gpu.synthesizer import _log_first_chunk
