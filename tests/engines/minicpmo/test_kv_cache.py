@@ -114,3 +114,29 @@ def test_the_engine_speaks_through_an_fp8_tts_cache(tiny_checkpoint):
     written = cache.all_key_scales.gt(0).any(dim=(0, 2))  # [slots, positions]
     audio_at = model.config.tts.audio_bos_position
     assert int(written[:, audio_at:].sum()) >= len(frames)  # each frame's key, with its scale
+
+
+def test_the_drift_benchmark_runs_on_the_tiny_checkpoint(tmp_path):
+    """scripts/kv_cache_numerics.py end to end on the tiny checkpoint: both caches stepped over
+    the same streams, the reference's own dtype through SDPA as its floor (on the CPU the fused
+    path is SDPA too, so the floor agrees exactly), and its runs kept per weights in one file."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "numerics.json"
+    out.write_text(json.dumps({"runs": {"random": {"kept": True}}}))
+    subprocess.run([sys.executable, "-m", "scripts.kv_cache_numerics", "--weights", "tiny",
+                    "--device", "cpu", "--streams", "2", "--steps", "12", "--out", str(out)],
+                   cwd=Path(__file__).resolve().parents[3], check=True, capture_output=True,
+                   timeout=600)
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["random"] == {"kept": True}
+    tiny = runs["tiny"]
+    assert (tiny["streams"], tiny["steps"]) == (2, 12)
+    assert 0.0 <= tiny["teacher_forced"]["top1_agreement"] <= 1.0
+    assert tiny["teacher_forced"]["kl_nats_temperature_1"]["max"] >= 0.0
+    assert tiny["floor_teacher_forced"]["top1_agreement"] == 1.0
+    assert tiny["floor_teacher_forced"]["kl_nats_sampling_temperature"]["max"] == 0.0
+    assert 0 <= tiny["free_running_greedy"]["first_different_frame"]["p50"] <= 12
