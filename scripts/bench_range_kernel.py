@@ -12,25 +12,13 @@ import json
 
 import torch
 
+from scripts.profile_audio_step import elapsed_ms
 from serve_app.engines.minicpmo.model import range_attention
 from serve_app.engines.minicpmo.model.kv_cache import SlotKVCache
 from serve_app.engines.minicpmo.model.layers import DecoderShape
 
 SHAPE = DecoderShape(hidden_size=768, intermediate_size=3072, num_layers=1, num_heads=12,
                      num_kv_heads=12, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=False)
-
-
-def time_ms(fn, repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:
@@ -73,9 +61,9 @@ def main() -> None:
                         range_attention.FP8_KEY_TILE, range_attention.FP8_KERNEL_WARPS = tile, warps
                     else:
                         range_attention.KEY_TILE, range_attention.KERNEL_WARPS = tile, warps
-                    ms = time_ms(lambda: range_attention.rope_write_two_range_attention(
+                    ms = elapsed_ms(lambda: range_attention.rope_write_two_range_attention(
                         q, k, v, cos, sin, kv.keys, kv.values, slots, written, ranges,
-                        kv.key_scales, kv.value_scales))
+                        kv.key_scales, kv.value_scales), repeats=50)
                     per_key = cache.bytes_per_slot / (cache.max_positions + 1)  # all layers: 1 here
                     row = {"rows": rows, "kv_dtype": kv_dtype, "tile": tile, "warps": warps,
                            "ms": round(ms, 4), "keys_seen": keys_seen,
