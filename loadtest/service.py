@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from loadtest.local_cluster import end_marked_processes, free_ports
-from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, haproxy_env
+from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, local_cluster_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICE_MARKER = "LOCAL_SERVICE_ID"  # in the environment of every process a service started
@@ -31,9 +31,10 @@ DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)
 
 
 def haproxy_env_of_its_own() -> dict[str, str]:
-    """HAProxy in front on stats, metrics and fallback ports free now: for a cluster that shares
-    the machine with others (tests, benchmarks)."""
-    return haproxy_env(free_ports(len(HAPROXY_PORT_SETTINGS)))
+    """HAProxy in front on stats, metrics and fallback ports free now, and a stopping Ingress
+    reachable 2 s: for a local cluster that shares the machine with others (tests, benchmarks)
+    and has no balancer but its HAProxy (``serve_app/ingress_env.py``)."""
+    return local_cluster_env(free_ports(len(HAPROXY_PORT_SETTINGS)))
 
 
 def start_service(config: dict[str, Any], base_url: str, log_path: Path,

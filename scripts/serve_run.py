@@ -9,14 +9,9 @@ http://HOST:PORT/metrics: the service's ``ray_tts_*`` metrics and Ray Serve's ``
 ones. With RAY_ADDRESS set (a cluster started by ``ray start --head --metrics-export-port=PORT``),
 it joins that cluster instead.
 
-Ctrl-C stops it in seconds. Behind HAProxy, Serve holds an Ingress replica that is stopping
-reachable for ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`` (30 s by default) so that
-load balancers can deregister it, and only then stops the Synthesizer; ``serve run`` waits 30 s
-for the whole shutdown, so Ctrl-C took about 35 s and ended with "Controller failed to shut
-down within 30.0s". On its own local Ray this sets that period to
-:data:`LOCAL_INGRESS_DRAIN_S` (an environment value wins): the one HAProxy here reloads its
-backends within a second of a replica leaving (and on Ctrl-C it stops first), and a connection
-that still reaches a replica past the period is refused and retried on another.
+Ctrl-C stops it in seconds: on its own local Ray a stopping Ingress stays reachable 2 s, not
+Serve's 30 s, which ran out ``serve run``'s 30 s shutdown wait ("Controller failed to shut down
+within 30.0s"; ``serve_app/ingress_env.py``). An environment value wins.
 
     scripts/serve_run.py serve_config.cpu.yaml --metrics-port 8080
 """
@@ -32,10 +27,7 @@ import ray
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.serve.scripts import cli
 
-from serve_app.ingress_env import haproxy_env
-
-DIRECT_INGRESS_DRAIN_SETTING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
-LOCAL_INGRESS_DRAIN_S = 2.0
+from serve_app.ingress_env import local_cluster_env
 
 
 def main() -> None:
@@ -48,9 +40,8 @@ def main() -> None:
         ray.init(namespace=SERVE_NAMESPACE)
     else:
         # Read by Serve's controller and proxies when they start: set before Ray starts them.
-        for name, value in haproxy_env().items():
+        for name, value in local_cluster_env().items():
             os.environ.setdefault(name, value)
-        os.environ.setdefault(DIRECT_INGRESS_DRAIN_SETTING, str(LOCAL_INGRESS_DRAIN_S))
         ray.init(address="local", namespace=SERVE_NAMESPACE,
                  _metrics_export_port=args.metrics_port)
         print(f"serve_run: Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics",

@@ -206,17 +206,19 @@ def bring_what_a_cuda_torch_brings(python: Path, env: dict[str, str]) -> None:
         return
     pin = re.search(r'"triton==([\w.]+)"', (ROOT / "scripts" / "setup").read_text())
     assert pin, "scripts/setup names no triton version"
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"triton=={pin[1]}"],
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile",
+                    f"triton=={pin[1]}"],
                    env=env, check=True, timeout=1500)
 
 
 @pytest.mark.slow
 def test_its_install_steps_work_in_a_clean_venv(tmp_path: Path) -> None:
-    """The Dockerfile's RUN steps after WORKDIR, as written (but with pip's cache), with a
-    clean venv's python first on PATH, in a folder holding what the COPYs put there; then the
-    serve configs' import paths resolve from another folder. torch comes from the same pin:
-    here pip's configuration may offer the CPU build of that version from local disk (then
-    Triton is added, as the CUDA build would bring it), in the image PyPI's CUDA build."""
+    """The Dockerfile's RUN steps after WORKDIR, as written (but with pip's cache and no
+    byte-compiling), with a clean venv's python first on PATH, in a folder holding what the
+    COPYs put there; then the serve configs' import paths resolve from another folder. torch
+    comes from the same pin: here pip's configuration may offer the CPU build of that version
+    from local disk (then Triton is added, as the CUDA build would bring it), in the image
+    PyPI's CUDA build."""
     environment = tmp_path / "venv"
     venv.create(environment, with_pip=True)
     workdir = tmp_path / "workdir"
@@ -239,8 +241,10 @@ def test_its_install_steps_work_in_a_clean_venv(tmp_path: Path) -> None:
                     shutil.copy(ROOT / source, target / Path(source).name)
         elif keyword == "RUN" and seen_workdir:
             # With pip's cache, which scripts/setup filled with the same hash-checked wheels:
-            # where a wheel comes from changes nothing installed, and CI fetches each once.
-            arguments = arguments.replace("--no-cache-dir ", "")
+            # where a wheel comes from changes nothing installed, and CI fetches each once. And
+            # without byte-compiling (torch alone is thousands of modules): the files installed
+            # are the same, Python compiles what it imports.
+            arguments = arguments.replace("--no-cache-dir ", "--no-compile ")
             result = subprocess.run(["bash", "-c", arguments], cwd=workdir, env=env,
                                     capture_output=True, text=True, timeout=1500)
             assert result.returncode == 0, \
