@@ -30,19 +30,15 @@ HAPROXY_PORT_SETTINGS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METR
                          "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
 
 
-def haproxy_env(ports: list[int] | None = None) -> dict[str, str]:
-    """The flag; with ``ports`` (one per :data:`HAPROXY_PORT_SETTINGS`), also HAProxy's stats
-    and metrics ports and the fallback proxy's, so that a second cluster on one machine (a test
-    session, a benchmark) never collides with the first."""
-    env = {HAPROXY_FLAG: "1"}
+def local_cluster_env(ports: list[int] | None = None) -> dict[str, str]:
+    """The flag, and a stopping Ingress reachable :data:`LOCAL_INGRESS_DRAIN_S`, not Serve's 30 s,
+    for a cluster whose only balancer is its own HAProxy (module docstring); with ``ports`` (one
+    per :data:`HAPROXY_PORT_SETTINGS`), also HAProxy's stats and metrics ports and the fallback
+    proxy's, so that a second cluster on one machine (a test session, a benchmark) never collides
+    with the first."""
+    env = {HAPROXY_FLAG: "1", INGRESS_DRAIN_SETTING: str(LOCAL_INGRESS_DRAIN_S)}
     if ports is not None:
         if len(ports) != len(HAPROXY_PORT_SETTINGS):
             raise ValueError(f"need {len(HAPROXY_PORT_SETTINGS)} ports, got {len(ports)}")
         env.update({name: str(port) for name, port in zip(HAPROXY_PORT_SETTINGS, ports)})
     return env
-
-
-def local_cluster_env(ports: list[int] | None = None) -> dict[str, str]:
-    """:func:`haproxy_env` for a cluster whose only balancer is its own HAProxy: a stopping
-    Ingress stays reachable :data:`LOCAL_INGRESS_DRAIN_S`, not Serve's 30 s (module docstring)."""
-    return {**haproxy_env(ports), INGRESS_DRAIN_SETTING: str(LOCAL_INGRESS_DRAIN_S)}

@@ -23,7 +23,7 @@ import yaml
 
 from loadtest.local_cluster import end_marked_processes, free_ports
 from loadtest.service import answers_ready
-from serve_app.ingress_env import HAPROXY_PORT_SETTINGS
+from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, INGRESS_DRAIN_SETTING
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_ctrl_c_stops_the_service_cleanly_without_serves_shutdown_timeout(
            # beside any other cluster on this machine
            **{name: str(value) for name, value in zip(HAPROXY_PORT_SETTINGS, haproxy_ports)}}
     env.pop("RAY_ADDRESS", None)  # its own local Ray, as scripts/serve starts it
-    env.pop("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", None)
+    env.pop(INGRESS_DRAIN_SETTING, None)
     url = f"http://127.0.0.1:{port}"
     # Ray's start-up deadlines (raylet registration, 30 s) are fixed; a machine busy with other
     # work can miss them, so a start that never gets ready is tried again.
