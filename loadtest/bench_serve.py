@@ -273,6 +273,7 @@ class CpuMeter:
         self._psutil = psutil
         self._started = time.monotonic()
         self._before = self._sample()
+        self._threads_before = self._engine_threads()
 
     def _processes(self) -> dict[str, list[Any]]:
         found: dict[str, list[Any]] = {}
@@ -301,18 +302,37 @@ class CpuMeter:
                 sample[process.pid] = (name, times.user + times.system)
         return sample
 
-    def percent(self) -> dict[str, dict[str, float]]:
+    def _engine_threads(self) -> dict[tuple[int, int], float]:
+        """CPU seconds of each thread of the engine processes, by (process, thread) id."""
+        sample = {}
+        for name, processes in self._processes().items():
+            for process in processes if name.endswith("Engine") else ():
+                try:
+                    threads = process.threads()
+                except self._psutil.Error:
+                    continue
+                for thread in threads:
+                    sample[(process.pid, thread.id)] = thread.user_time + thread.system_time
+        return sample
+
+    def percent(self) -> dict[str, Any]:
         """Per deployment (or process kind), CPU as a percentage of one core over the window:
-        ``sum`` over its processes, and its ``busiest_process``."""
+        ``sum`` over its processes, and its ``busiest_process``; and the engine processes'
+        threads that ran, busiest first (the step thread, then the ones that may hold the GIL
+        it waits for: the socket's reader and sender, the event loop, CUDA's and PyTorch's)."""
         after = self._sample()
+        threads_after = self._engine_threads()
         wall = time.monotonic() - self._started
         used: dict[str, list[float]] = {}
         for pid, (name, seconds) in after.items():
             start = self._before.get(pid, (name, seconds))[1]
             used.setdefault(name, []).append(seconds - start)
+        threads = sorted((round(100 * (seconds - self._threads_before.get(key, 0.0)) / wall, 1)
+                          for key, seconds in threads_after.items()), reverse=True)
         return {"sum": {name: round(100 * sum(s) / wall, 1) for name, s in sorted(used.items())},
                 "busiest_process": {name: round(100 * max(s) / wall, 1)
-                                    for name, s in sorted(used.items())}}
+                                    for name, s in sorted(used.items())},
+                "engine_threads": [share for share in threads if share > 0]}
 
 
 def register_voices(base_url: str, count: int) -> dict[str, Any]:
@@ -379,6 +399,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "requests_per_s": round(users / span, 3),
         "cpu_percent_of_a_core": cpu["sum"],
         "cpu_percent_of_a_core_busiest_process": cpu["busiest_process"],
+        "cpu_percent_of_a_core_engine_threads": cpu["engine_threads"],
         "engine_busy": engine_busy(level_log), "locust": locust_summary(work / f"{name}_stats.csv"),
         "ttfb_breakdown": ttfb_breakdown(level_log, rows),
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],

@@ -36,7 +36,8 @@ REPLICA_LEG = {
 
 BUSY_LINE = re.compile(r"engine busy period: steps=(\d+) busy_s=([\d.]+)"
                        r"(?:.*? cpu_ms_per_step=([\d.]+))?"
-                       r"(?:.*? llm_steps=(\d+))?(?:.*? device_memory_peak_gb=([\d.]+))?")
+                       r"(?:.*? llm_steps=(\d+))?(?:.*? device_memory_peak_gb=([\d.]+))?"
+                       r"(?:.*? phase_ms_per_step=(\S+))?")
 
 
 def engine_busy(log_text: str) -> dict[str, Any] | None:
@@ -44,17 +45,27 @@ def engine_busy(log_text: str) -> dict[str, Any] | None:
     level, from the synthesizer's busy-period log lines: bench_engine.py's
     ``busy_ms_per_step``, so the two runs show whether the engine itself ran slower here, and
     its step thread's CPU time per step (``step_cpu_ms_per_step``)."""
+    matches = list(BUSY_LINE.finditer(log_text))
     periods = [(int(m[1]), float(m[2]), float(m[3] or 0) * int(m[1]), int(m[4] or 0),
-                float(m[5] or 0)) for m in BUSY_LINE.finditer(log_text)]
+                float(m[5] or 0)) for m in matches]
     steps = sum(p[0] for p in periods)
     if not steps:
         return None
     busy_s = sum(p[1] for p in periods)
+    phase_ms: dict[str, float] = {}  # each phase's host ms summed over the periods' steps
+    for m in matches:
+        for pair in (m[6] or "-").split(","):
+            name, _, ms = pair.partition(":")
+            if ms:
+                phase_ms[name] = phase_ms.get(name, 0.0) + float(ms) * int(m[1])
     return {"steps": steps, "busy_s": round(busy_s, 3),
             "busy_ms_per_step": round(busy_s * 1000 / steps, 3),
             "step_cpu_ms_per_step": round(sum(p[2] for p in periods) / steps, 3),
             "llm_steps_per_step": round(sum(p[3] for p in periods) / steps, 3),
-            "device_memory_peak_gb": max(p[4] for p in periods)}
+            "device_memory_peak_gb": max(p[4] for p in periods),
+            # host ms per step by phase: bench_engine's step_phase_ms means, inside the service
+            "phase_ms_per_step": {name: round(total / steps, 3)
+                                  for name, total in phase_ms.items()}}
 
 
 def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] | None:

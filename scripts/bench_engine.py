@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
 import random
@@ -352,11 +353,15 @@ async def measure_engine(engine: MiniCPMOEngine, args, modes, levels) -> dict:
         await run_level(engine, mode, 1, "burst", args)  # warm-up
         for concurrency in levels[mode]:
             for arrival in args.arrivals:
-                for interval_ms in args.gil_switch_intervals_ms or [None]:
+                for interval_ms, threads in itertools.product(
+                        args.gil_switch_intervals_ms or [None], args.torch_threads or [None]):
                     if interval_ms is not None:  # an A/B of the step thread's GIL waits
                         sys.setswitchinterval(interval_ms / 1000)
+                    if threads is not None:  # an A/B of PyTorch's CPU threads (Ray: num_cpus)
+                        torch.set_num_threads(threads)
                     result = await run_level(engine, mode, concurrency, arrival, args)
                     result["gil_switch_interval_ms"] = sys.getswitchinterval() * 1000
+                    result["torch_threads"] = torch.get_num_threads()
                     sweep.append(result)
                 if result["ttfb_ms_p99"] and result["ttfb_ms_p99"] > args.stop_after_ttfb_ms:
                     break
@@ -564,6 +569,9 @@ def main() -> None:
     parser.add_argument("--gil-switch-intervals-ms", type=float, nargs="+", default=None,
                         help="run each level once per GIL switch interval, in this order (an "
                              "A/B of the engine's 1 ms against Python's default 5 ms)")
+    parser.add_argument("--torch-threads", type=int, nargs="+", default=None,
+                        help="run each level once per PyTorch CPU thread count, in this order "
+                             "(served, Ray sets OMP_NUM_THREADS to the replica's num_cpus)")
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "
                              "so it slows the engine down; off for headline numbers)")

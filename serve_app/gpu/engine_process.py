@@ -121,7 +121,7 @@ class EngineServer:
             "stats": engine.stats,
             "voices": engine.voices,
         }
-        for method in ("embed_voice", "add_voice", "remove_voice"):
+        for method in ("embed_voice", "add_voice", "remove_voice", "step_phase_seconds"):
             if hasattr(engine, method):
                 self._calls[method] = getattr(engine, method)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -250,7 +250,16 @@ def main() -> None:
         engine_wire.send_message(
             conn, Failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         return
+    # what the step thread's host work runs with (Ray sets OMP_NUM_THREADS to num_cpus)
+    logger.info("engine process ready: cpus=%d usable_cpus=%d OMP_NUM_THREADS=%s "
+                "torch_threads=%s", os.cpu_count() or 0, len(os.sched_getaffinity(0)),
+                os.environ.get("OMP_NUM_THREADS", "-"), _torch_threads())
     EngineServer(engine, conn).run(engine_info(engine, start.engine))
+
+
+def _torch_threads() -> str:
+    torch = sys.modules.get("torch")  # only an engine that uses PyTorch has loaded it
+    return str(torch.get_num_threads()) if torch is not None else "-"
 
 if __name__ == "__main__":
     main()

@@ -45,6 +45,7 @@ class EngineWatch:
         """Refresh the engine gauges while the engine is busy, and once more when it idles;
         then log the busy period's steps and time per step (scripts/bench_serve reads it)."""
         before = self._engine.stats()
+        phases_before = await self._step_phase_seconds()
         while self.refresh():
             await asyncio.sleep(METRICS_REFRESH_S)
         after = self._engine.stats()
@@ -52,13 +53,24 @@ class EngineWatch:
         if steps > 0:
             busy_s = after.step_seconds - before.step_seconds
             cpu_s = after.step_cpu_seconds - before.step_cpu_seconds
+            phases = {name: (seconds - phases_before.get(name, 0.0)) * 1000 / steps
+                      for name, seconds in (await self._step_phase_seconds()).items()}
             logger.info("engine busy period: steps=%d busy_s=%.3f ms_per_step=%.2f "
                         "cpu_ms_per_step=%.2f streams_ended=%d llm_steps=%d "
-                        "device_memory_peak_gb=%.2f", steps, busy_s, busy_s * 1000 / steps,
-                        cpu_s * 1000 / steps,
+                        "device_memory_peak_gb=%.2f phase_ms_per_step=%s", steps, busy_s,
+                        busy_s * 1000 / steps, cpu_s * 1000 / steps,
                         (after.completed + after.aborted + after.failed)
                         - (before.completed + before.aborted + before.failed),
-                        after.llm_steps - before.llm_steps, after.device_memory_peak_bytes / 1e9)
+                        after.llm_steps - before.llm_steps, after.device_memory_peak_bytes / 1e9,
+                        ",".join(f"{name}:{ms:.3f}" for name, ms in phases.items()) or "-")
+
+    async def _step_phase_seconds(self) -> dict[str, float]:
+        """The engine's host seconds by step phase so far; empty from an engine without
+        phases (or one that cannot answer now)."""
+        try:
+            return await self._engine.call("step_phase_seconds")
+        except Exception:  # an engine without phases; its death is handled elsewhere
+            return {}
 
     def refresh(self) -> bool:
         """Record the engine's state; True while requests wait or streams run."""

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from loadtest.served_logs import REPLICA_LEG, ttfb_breakdown
+from loadtest.served_logs import REPLICA_LEG, engine_busy, ttfb_breakdown
 from serve_app.engines.base import AudioChunk
 from serve_app.gpu.engine_client import stamp_way_back
 from serve_app.gpu.synthesizer import _log_first_chunk
@@ -73,3 +73,19 @@ def test_the_clock_readings_are_never_read_as_stage_durations():
 
     assert [name for name in chunk.timings_s if name.endswith("_s")] == ["ttfb_s"]
     assert len(chunk.timings_s) == 4
+
+
+def test_busy_periods_give_time_per_step_and_each_phase_weighted_by_steps():
+    log = ("engine busy period: steps=100 busy_s=1.000 ms_per_step=10.00 cpu_ms_per_step=9.00 "
+           "streams_ended=2 llm_steps=40 device_memory_peak_gb=80.00 "
+           "phase_ms_per_step=llm_decode:4.000,tts_step:6.000\n"
+           "engine busy period: steps=300 busy_s=6.000 ms_per_step=20.00 cpu_ms_per_step=19.00 "
+           "streams_ended=5 llm_steps=60 device_memory_peak_gb=81.00 "
+           "phase_ms_per_step=llm_decode:8.000,tts_step:12.000\n"
+           # an engine without phases (Piper) logs "-"
+           "engine busy period: steps=0 busy_s=0.000 ms_per_step=0.00 cpu_ms_per_step=0.00 "
+           "streams_ended=0 llm_steps=0 device_memory_peak_gb=0.00 phase_ms_per_step=-\n")
+    busy = engine_busy(log)
+    assert busy["steps"] == 400 and busy["busy_ms_per_step"] == 17.5
+    assert busy["step_cpu_ms_per_step"] == 16.5 and busy["llm_steps_per_step"] == 0.25
+    assert busy["phase_ms_per_step"] == {"llm_decode": 7.0, "tts_step": 10.5}

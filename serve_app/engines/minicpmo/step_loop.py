@@ -114,6 +114,9 @@ class StepLoop:
     def phase_seconds(self) -> dict[str, float]:
         return dict(self.phases.totals)
 
+    def host_phase_seconds(self) -> dict[str, float]:
+        return dict(self.phases.host_totals)
+
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop:

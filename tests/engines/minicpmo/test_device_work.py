@@ -25,6 +25,7 @@ def engine(tiny_checkpoint):
 
 def test_device_work_counts_what_the_engine_did(engine) -> None:
     before_work, before_stats = engine.device_work(), engine.stats()
+    before_phases = engine.step_phase_seconds()
 
     async def run() -> list:
         streams = engine.submit([
@@ -46,6 +47,14 @@ def test_device_work_counts_what_the_engine_did(engine) -> None:
     frames = sum(int(chunk.timings_s["tts_steps"]) for chunk in finals)
     assert work["decode_frames"] >= frames  # each frame decoded once, some again as context
     assert work["text_prefill_passes"] >= 2 and work["text_prefill_key_reads"] > 0
+    # host time by phase (served busy periods log it): every phase ran, and together they are
+    # the steps' time less the bookkeeping around each step
+    phases = {name: seconds - before_phases.get(name, 0.0)
+              for name, seconds in engine.step_phase_seconds().items()}
+    assert set(phases) == {"admit_prefill", "llm_decode", "schedule", "tts_prefill", "tts_step",
+                           "decode_emit"}
+    assert all(seconds > 0 for seconds in phases.values())
+    assert sum(phases.values()) <= stats.step_seconds - before_stats.step_seconds
 
 
 def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:

@@ -20,6 +20,9 @@ class PhaseClock:
         self._options = options
         self._device = device
         self.totals: dict[str, float] = collections.defaultdict(float)  # profiled, all steps
+        # host time by phase, all steps, profiled or not: what the served engine reports
+        # (``Engine.step_phase_seconds``) beside bench_engine's ``step_phase_ms``
+        self.host_totals: dict[str, float] = {}
         self._step: dict[str, float] = collections.defaultdict(float)
         self._mark = 0.0
 
@@ -34,6 +37,7 @@ class PhaseClock:
             torch.cuda.synchronize()
         now = time.perf_counter()
         self._step[name] += now - self._mark
+        self.host_totals[name] = self.host_totals.get(name, 0.0) + (now - self._mark)
         if profiling:
             self.totals[name] += now - self._mark
         self._mark = now
