@@ -18,15 +18,21 @@ INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
 SYNTHESIZER_LINE = re.compile(
     r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)"
     r"(?: engine_sent_ms=([\d.]+|-) replica_received_ms=([\d.]+|-)"
-    r" replica_dispatched_ms=([\d.]+|-))?")
+    r" replica_dispatched_ms=([\d.]+|-))?(?: engine_sending_ms=([\d.]+|-))?")
 # The Synthesizer replica's leg of a first chunk, split by the clock readings its log line
 # carries (ms since the request reached the replica): name -> (later reading, earlier one).
 REPLICA_LEG = {
     # arrival -> the engine process submitted it (its send time minus the engine's own TTFB):
     # @serve.batch admission and the submission to the engine process
     "to_engine_ms": ("sent", "engine"),
-    # the engine process's sink took the chunk -> the replica's reader thread read it
+    # the engine process's sink took the chunk -> the replica's reader thread read it; split:
     "engine_to_reader_ms": ("received", "sent"),
+    # ... the sink took it -> the engine's sender thread began writing it (pickling on the step
+    # thread, the messages before it, the sender's wait for the GIL)
+    "engine_to_sender_ms": ("sending", "sent"),
+    # ... the sender began writing -> the reader had it all, unpickled (the socket, both sides'
+    # threads)
+    "sender_to_reader_ms": ("received", "sending"),
     # the reader thread -> the replica's event loop put it in the stream's inbox
     "reader_to_loop_ms": ("dispatched", "received"),
     # the inbox -> the chunk left the replica (Serve took it from the stream)
@@ -79,7 +85,8 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
     level's."""
     ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
     readings = {m[1]: {"replica": float(m[2]), "engine": _reading(m[3]), "sent": _reading(m[4]),
-                       "received": _reading(m[5]), "dispatched": _reading(m[6])}
+                       "received": _reading(m[5]), "dispatched": _reading(m[6]),
+                       "sending": _reading(m[7])}
                 for m in SYNTHESIZER_LINE.finditer(log_text)}
     ok = [r for r in rows if r.get("ok") and r.get("ttfb_s") is not None]
     joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]],

@@ -160,6 +160,8 @@ class StepEngine:
                 request_id = self._open.pop(cursor % len(self._open))
                 items.append((request_id, RequestAbortedError(f"{request_id} aborted")))
             self._deliver(items)
+            if settings.get("busy_step"):
+                _busy_until(next_s)
             time.sleep(max(0.0, next_s - time.perf_counter()))
         self._deliver([(request_id, AudioChunk(request_id, np.zeros(0, np.float32),
                                                SAMPLE_RATE_HZ, final=True,
@@ -403,6 +405,16 @@ def _get(run: dict[str, Any], path: tuple[str, ...]) -> float:
     return run  # type: ignore[return-value]
 
 
+def _busy_until(deadline_s: float) -> None:
+    """Hold the step thread busy until ``deadline_s`` as a GPU engine's step thread is: Python
+    work with the GIL, let go for a moment at each device call (here every ~20 us)."""
+    work: dict[int, int] = {}
+    while time.perf_counter() < deadline_s:
+        for index in range(200):
+            work[index] = work.get(index, 0) + index
+        time.sleep(0)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--engine-side":
         engine_side(int(sys.argv[2]), sys.argv[3], sys.argv[4])
@@ -421,13 +433,17 @@ def main() -> None:
     parser.add_argument("--step-period-s", type=float, default=0.08)
     parser.add_argument("--onward", choices=("serve", "none"), default="serve",
                         help="per chunk read: serialize it as Serve would, or nothing")
+    parser.add_argument("--busy-step", action="store_true",
+                        help="the step thread works (holding the GIL but for a moment at each "
+                             "device call) between its hand-offs instead of sleeping, as a GPU "
+                             "engine's does")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--baseline-tree", help="a checkout of the commit to compare against")
     parser.add_argument("--out", help="JSON file (default: print only)")
     args = parser.parse_args()
     settings = {key: getattr(args, key) for key in (
         "streams", "chunks", "samples", "finals_per_step", "errors_per_step", "steps",
-        "warmup_steps", "step_period_s", "onward")}
+        "warmup_steps", "step_period_s", "onward", "busy_step")}
     this_tree = str(Path(__file__).resolve().parents[1])
     trees = {"this": this_tree}
     if args.baseline_tree:

@@ -94,18 +94,22 @@ class Inbox:
 ENGINE_TTFB_TIMINGS = ("ttfb_s", "first_chunk_s")
 # The clock readings a first chunk collects on its way back, in order. Not seconds, so not named
 # ``*_s``: the front's stage histogram takes every ``*_s`` timing as a duration.
-WAY_BACK_CLOCKS = ("clock_engine_sent", "clock_replica_received", "clock_replica_dispatched")
+WAY_BACK_CLOCKS = ("clock_engine_sent", "clock_engine_sending", "clock_replica_received",
+                   "clock_replica_dispatched")
 
 
 def is_first_chunk(chunk: AudioChunk) -> bool:
     return not chunk.timings_s.keys().isdisjoint(ENGINE_TTFB_TIMINGS)
 
 
-def stamp_way_back(chunk: AudioChunk, made_at_s: float, received_at_s: float) -> None:
+def stamp_way_back(chunk: AudioChunk, made_at_s: float, sending_at_s: float,
+                   received_at_s: float) -> None:
     """Clock readings (``time.perf_counter``, one clock for every process of a host) of a first
     chunk's way to the replica (:data:`WAY_BACK_CLOCKS`): the engine process's sink took it,
-    the replica's reader thread read it, the replica's event loop handed it to its inbox."""
-    chunk.timings_s.update(zip(WAY_BACK_CLOCKS, (made_at_s, received_at_s, time.perf_counter())))
+    its sender thread began writing it, the replica's reader thread read it, the replica's
+    event loop handed it to its inbox."""
+    chunk.timings_s.update(zip(WAY_BACK_CLOCKS, (made_at_s, sending_at_s, received_at_s,
+                                                 time.perf_counter())))
 
 
 def join_chunks(chunks: list[AudioChunk]) -> AudioChunk:
@@ -301,13 +305,14 @@ class EngineClient:
     def _read_forever(self) -> None:
         while True:
             try:
-                message = engine_wire.receive(self._conn)
+                message, sending_at_s = engine_wire.receive_timed(self._conn)
             except (EOFError, OSError):
                 break
             if isinstance(message, Stats):
                 self._stats = message.stats
             elif self._loop is not None:
-                self._loop.call_soon_threadsafe(self._dispatch, message, time.perf_counter())
+                self._loop.call_soon_threadsafe(self._dispatch, message, sending_at_s,
+                                                time.perf_counter())
         code = self._process.wait()
         dead = EngineDeadError(f"the engine process exited with code {code}")
         if not self._closing:
@@ -322,13 +327,14 @@ class EngineClient:
         if not self._closing and self._on_death is not None:
             self._on_death()
 
-    def _dispatch(self, message: object, received_at_s: float = 0.0) -> None:
+    def _dispatch(self, message: object, sending_at_s: float = 0.0,
+                  received_at_s: float = 0.0) -> None:
         if isinstance(message, Outputs):
             for request_id, item in message.items:
                 inbox = self._inboxes.get(request_id)
                 if inbox is not None:  # else its caller is gone
                     if isinstance(item, AudioChunk) and is_first_chunk(item):
-                        stamp_way_back(item, message.made_at_s, received_at_s)
+                        stamp_way_back(item, message.made_at_s, sending_at_s, received_at_s)
                     inbox.put(item)
         elif isinstance(message, Reply):
             future = self._replies.pop(message.call_id, None)

@@ -5,7 +5,10 @@ voice clip, a voice's embeddings) are left out of the pickle (pickle protocol 5,
 so the thread that pickles a message never copies the audio. Each message is one frame on a
 stream socket (the replica and its engine process hold the two ends of a socket pair):
 
-- the pickle's size and the number of buffers (``<QI``, little-endian);
+- the pickle's size, the number of buffers and the clock reading (``time.perf_counter``, one
+  clock for the host's processes) when the sender began writing it (``<QId``, little-endian):
+  with the sink's reading in the message, it splits a chunk's way into the wait for the sender
+  and the write and read;
 - each buffer's size (8 bytes each);
 - the pickle, then every buffer, in the order the pickle refers to them.
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -44,16 +48,18 @@ import numpy as np
 # sync, waits at most this long for the GIL (engine_process.py, engine_client.py).
 GIL_SWITCH_INTERVAL_S = 0.001
 
-_PREFIX = struct.Struct("<QI")  # pickle bytes, buffer count
+_PREFIX = struct.Struct("<QId")  # pickle bytes, buffer count, when the sender began writing
 _SIZE = struct.Struct("<Q")
 # At most this many pieces per sendmsg or recvmsg_into (Linux's IOV_MAX is 1024).
 _MAX_PIECES = 512
 
 
 class Encoded(NamedTuple):
-    """A pickled message and the buffers it left out, ready to write."""
+    """A pickled message and the buffers it left out, ready to write (the frame's prefix is
+    packed when it is written)."""
 
-    header: bytes
+    body_bytes: int
+    header: bytes  # the buffers' sizes, then the pickle
     buffers: list[pickle.PickleBuffer]
 
 
@@ -61,11 +67,13 @@ def encode(message: object) -> Encoded:
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     sizes = b"".join(_SIZE.pack(buffer.raw().nbytes) for buffer in buffers)
-    return Encoded(_PREFIX.pack(len(body), len(buffers)) + sizes + body, buffers)
+    return Encoded(len(body), sizes + body, buffers)
 
 
 def send(sock: socket.socket, encoded: Encoded) -> None:
-    views = [memoryview(encoded.header)] + [buffer.raw() for buffer in encoded.buffers]
+    prefix = _PREFIX.pack(encoded.body_bytes, len(encoded.buffers), time.perf_counter())
+    views = [memoryview(prefix), memoryview(encoded.header)]
+    views += [buffer.raw() for buffer in encoded.buffers]
     views = [view for view in views if view.nbytes]
     while views:  # a signal may cut a blocking sendmsg short
         views = _after(views, sock.sendmsg(views[:_MAX_PIECES]))
@@ -77,15 +85,20 @@ def send_message(sock: socket.socket, message: object) -> None:
 
 def receive(sock: socket.socket) -> object:
     """The next message (raises EOFError or OSError when the other side is gone)."""
+    return receive_timed(sock)[0]
+
+
+def receive_timed(sock: socket.socket) -> tuple[object, float]:
+    """The next message and when its sender began writing it (``time.perf_counter``)."""
     prefix = bytearray(_PREFIX.size)
     _read_all(sock, [memoryview(prefix)])
-    body_bytes, count = _PREFIX.unpack(prefix)
+    body_bytes, count, sending_at_s = _PREFIX.unpack(prefix)
     sizes = bytearray(count * _SIZE.size)
     _read_all(sock, [memoryview(sizes)])
     body = bytearray(body_bytes)
     buffers = [np.empty(size, np.uint8) for (size,) in _SIZE.iter_unpack(sizes)]
     _read_all(sock, [memoryview(body)] + [memoryview(buffer) for buffer in buffers])
-    return pickle.loads(body, buffers=buffers)
+    return pickle.loads(body, buffers=buffers), sending_at_s
 
 
 def _read_all(sock: socket.socket, views: list[memoryview]) -> None:

@@ -226,16 +226,17 @@ def _log_first_chunk(request_id: str, arrived_s: float, replica_ttfb_s: float,
                      chunk: AudioChunk) -> None:
     """Where a stream's first audio came from: ms from its arrival at this replica to its first
     chunk leaving, the engine's own TTFB (submission to first audio), and, on the way back, ms
-    from the arrival to the engine process sending the chunk, this replica's reader reading it
-    and its event loop taking it (``engine_client.stamp_way_back``); scripts/bench_serve reads
-    these lines."""
+    from the arrival to the engine process's sink taking the chunk, this replica's reader
+    reading it and its event loop taking it, and to the engine's sender thread beginning to
+    write it (``engine_client.stamp_way_back``); scripts/bench_serve reads these lines."""
     timings = chunk.timings_s
     engine_s = next((timings[name] for name in ENGINE_TTFB_TIMINGS if name in timings), None)
 
-    sent, received, dispatched = (
+    sent, sending, received, dispatched = (
         f"{(timings[name] - arrived_s) * 1000:.1f}" if name in timings else "-"
         for name in WAY_BACK_CLOCKS)
     logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s "
-                "engine_sent_ms=%s replica_received_ms=%s replica_dispatched_ms=%s", request_id,
-                replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}",
-                sent, received, dispatched)
+                "engine_sent_ms=%s replica_received_ms=%s replica_dispatched_ms=%s "
+                "engine_sending_ms=%s", request_id, replica_ttfb_s * 1000,
+                "-" if engine_s is None else f"{engine_s * 1000:.1f}", sent, received,
+                dispatched, sending)

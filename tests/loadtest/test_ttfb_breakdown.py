@@ -17,13 +17,14 @@ from serve_app.gpu.synthesizer import _log_first_chunk
 
 
 def _first_chunk_line(caplog, request_id: str, engine_ttfb_s: float, sent_after_s: float,
-                      read_after_s: float) -> tuple[str, float]:
+                      sending_after_s: float, read_after_s: float) -> tuple[str, float]:
     """The Synthesizer's log line for a first chunk stamped as the engine client stamps it, the
     request having reached the replica ``0.1`` s ago; and the replica TTFB it logged."""
     arrived_s = time.perf_counter() - 0.1
     chunk = AudioChunk(request_id, np.zeros(480, np.float32), 24000,
                        timings_s={"ttfb_s": engine_ttfb_s})
-    stamp_way_back(chunk, arrived_s + sent_after_s, arrived_s + read_after_s)
+    stamp_way_back(chunk, arrived_s + sent_after_s, arrived_s + sending_after_s,
+                   arrived_s + read_after_s)
     replica_ttfb_s = time.perf_counter() - arrived_s
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="serve_app.gpu.synthesizer"):
@@ -33,7 +34,8 @@ def _first_chunk_line(caplog, request_id: str, engine_ttfb_s: float, sent_after_
 
 def test_the_replica_leg_is_split_at_each_clock_reading(caplog):
     synthesizer_line, replica_ttfb_s = _first_chunk_line(
-        caplog, "req-1", engine_ttfb_s=0.040, sent_after_s=0.050, read_after_s=0.060)
+        caplog, "req-1", engine_ttfb_s=0.040, sent_after_s=0.050, sending_after_s=0.053,
+        read_after_s=0.060)
     ingress_line = "request id=req-1 method=POST status=200 outcome=ok ttfb_ms=110.0\n"
     rows = [{"ok": True, "ttfb_s": 0.115, "request_id": "req-1"}]
 
@@ -46,10 +48,14 @@ def test_the_replica_leg_is_split_at_each_clock_reading(caplog):
     assert set(leg) == set(REPLICA_LEG)
     assert leg["to_engine_ms"]["p50"] == 10.0  # sent at 50 ms, 40 ms after the submission
     assert leg["engine_to_reader_ms"]["p50"] == 10.0
+    # ... of which 3 ms before the engine's sender began writing it, 7 ms on the socket
+    assert leg["engine_to_sender_ms"]["p50"] == 3.0
+    assert leg["sender_to_reader_ms"]["p50"] == 7.0
     # dispatched "now": at least 100 ms after the arrival, so at least 40 ms after the read
     assert leg["reader_to_loop_ms"]["p50"] >= 39.9
     assert leg["loop_to_out_ms"]["p50"] >= 0.0
-    total = sum(part["p50"] for part in leg.values()) + result["engine_ms"]["p50"]
+    parts = ("to_engine_ms", "engine_to_reader_ms", "reader_to_loop_ms", "loop_to_out_ms")
+    total = sum(leg[part]["p50"] for part in parts) + result["engine_ms"]["p50"]
     assert abs(total - replica_ttfb_s * 1000) <= 0.5  # the parts add up to the replica's TTFB
 
 
@@ -69,10 +75,10 @@ def test_the_clock_readings_are_never_read_as_stage_durations():
     way-back readings are clock values, so none of them may look like one."""
     chunk = AudioChunk("req-3", np.zeros(480, np.float32), 24000, timings_s={"ttfb_s": 0.04})
     now = time.perf_counter()
-    stamp_way_back(chunk, now, now)
+    stamp_way_back(chunk, now, now, now)
 
     assert [name for name in chunk.timings_s if name.endswith("_s")] == ["ttfb_s"]
-    assert len(chunk.timings_s) == 4
+    assert len(chunk.timings_s) == 5
 
 
 def test_busy_periods_give_time_per_step_and_each_phase_weighted_by_steps():

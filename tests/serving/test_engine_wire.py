@@ -9,6 +9,7 @@ import gc
 import pickle
 import socket
 import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -178,3 +179,19 @@ def test_a_deep_copied_chunk_has_samples_of_its_own() -> None:
     copied = copy.deepcopy(chunk)
     copied.samples[:] = 0
     assert (chunk.samples == 1).all()
+
+
+def test_a_frame_carries_when_its_sender_began_writing_it() -> None:
+    """The receiver learns when the write began (the sender's clock, one clock for the host's
+    processes), not when the message was made: the time a message waits for its sender shows
+    apart from the time it takes to cross."""
+    encoded = engine_wire.encode(Outputs(a_step(3), made_at_s=1.0))
+    time.sleep(0.05)  # the message waits before its sender takes it
+    writer, reader = socket.socketpair()
+    with writer, reader:
+        before_s = time.perf_counter()
+        engine_wire.send(writer, encoded)
+        after_s = time.perf_counter()
+        message, sending_at_s = engine_wire.receive_timed(reader)
+    assert isinstance(message, Outputs) and message.made_at_s == 1.0
+    assert before_s <= sending_at_s <= after_s
