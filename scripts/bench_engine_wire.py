@@ -68,7 +68,7 @@ def wire_end(fd: int):
     multiprocessing Connection before the wire framed its own messages, else the socket."""
     from serve_app.gpu import engine_wire
 
-    (end,) = inspect.signature(engine_wire.receive).parameters.values()
+    end = next(iter(inspect.signature(engine_wire.receive).parameters.values()))
     if "Connection" in str(end.annotation):
         return Connection(fd)
     return socket.socket(fileno=fd)
@@ -207,8 +207,9 @@ class StepEngine:
         return self._stats
 
 
-def engine_side(fd: int, settings_json: str, report_path: str) -> None:
-    """Run as the engine process: the real EngineServer over the stand-in engine."""
+def engine_side(fd: int, settings_json: str, report_path: str, ring_args: list[str]) -> None:
+    """Run as the engine process: the real EngineServer over the stand-in engine (with the
+    replica's audio ring, ``ring_args`` = [fd, bytes], where the measured tree has one)."""
     from serve_app.gpu import engine_wire
     from serve_app.gpu.engine_process import EngineServer, engine_info
     from serve_app.gpu.engine_protocol import Start
@@ -218,7 +219,9 @@ def engine_side(fd: int, settings_json: str, report_path: str) -> None:
     start = engine_wire.receive(conn)
     assert isinstance(start, Start), start
     engine = StepEngine(json.loads(settings_json), report_path)
-    EngineServer(engine, conn).run(engine_info(engine, "bench-steps"))
+    server = (EngineServer(engine, conn, engine_wire.AudioRing(*map(int, ring_args)))
+              if ring_args else EngineServer(engine, conn))
+    server.run(engine_info(engine, "bench-steps"))
 
 
 # -- the replica's side ---------------------------------------------------------------------------
@@ -236,15 +239,23 @@ def start_client(settings: dict[str, Any], report_path: str):
             end.setsockopt(socket.SOL_SOCKET, option, engine_client.SOCKET_BUFFER_BYTES)
     sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path[1:] if p))
+    # the shared memory the audio crosses in, as EngineClient.start makes it (newer trees)
+    ring = (engine_wire.AudioRing.create(engine_client.AUDIO_RING_BYTES)
+            if hasattr(engine_wire, "AudioRing") else None)
+    ring_args = [str(ring.fd), str(ring.capacity)] if ring is not None else []
     process = subprocess.Popen(
         [sys.executable, __file__, "--engine-side", str(theirs.fileno()), json.dumps(settings),
-         report_path], pass_fds=[theirs.fileno()], env=env, close_fds=True)
+         report_path, *ring_args],
+        pass_fds=[theirs.fileno()] + ([ring.fd] if ring is not None else []), env=env,
+        close_fds=True)
     theirs.close()
     conn = wire_end(ours.detach())
     engine_wire.send_message(conn, Start("bench-steps", {}))
     ready = engine_wire.receive(conn)
     assert isinstance(ready, Ready), ready
-    return EngineClient(process, conn, ready.info)
+    if ring is None:
+        return EngineClient(process, conn, ready.info)
+    return EngineClient(process, conn, ready.info, None, ring)
 
 
 def onward(how: str = "serve"):
@@ -417,7 +428,7 @@ def _busy_until(deadline_s: float) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--engine-side":
-        engine_side(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        engine_side(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--measure-once":
         print(json.dumps(measure(json.loads(sys.argv[2]))), flush=True)

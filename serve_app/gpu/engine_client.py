@@ -57,6 +57,9 @@ CLOSE_TIMEOUT_S = 30.0
 # on both ends (Linux caps them at net.core.wmem_max / rmem_max, by default ~208 KiB): fewer
 # trips through the kernel for a step's outputs where the limits allow.
 SOCKET_BUFFER_BYTES = 8 << 20
+# The shared memory a step's audio crosses in (engine_wire.AudioRing): ~10 busy steps' audio
+# (a step at read 736 on an H100 is ~6 MB); a message that finds no room crosses the socket.
+AUDIO_RING_BYTES = 64 << 20
 
 
 class EngineDeadError(EngineError):
@@ -129,10 +132,12 @@ class EngineClient:
     was ready (name, model, sample rate, modes, what it can do, its slots)."""
 
     def __init__(self, process: subprocess.Popen, conn: socket.socket, info: EngineInfo,
-                 on_death: Callable[[], None] | None = None) -> None:
+                 on_death: Callable[[], None] | None = None,
+                 ring: engine_wire.AudioRing | None = None) -> None:
         self._process = process
         self._on_death = on_death
         self._conn = conn
+        self._ring = ring  # read by the reader thread only
         self.info = info
         self._stats = EngineStats(max_slots=info.max_slots)
         self._send_lock = threading.Lock()
@@ -156,26 +161,30 @@ class EngineClient:
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)  # this replica's process
+        ring = engine_wire.AudioRing.create(AUDIO_RING_BYTES)
         env = dict(os.environ)
         # The child imports serve_app from wherever this process found it.
         env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
         process = subprocess.Popen(
-            [sys.executable, "-m", "serve_app.gpu.engine_process", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env, close_fds=True)
+            [sys.executable, "-m", "serve_app.gpu.engine_process", str(theirs.fileno()),
+             str(ring.fd), str(ring.capacity)],
+            pass_fds=[theirs.fileno(), ring.fd], env=env, close_fds=True)
         theirs.close()
         try:
             engine_wire.send_message(conn, Start(engine, dict(options)))
-            message = engine_wire.receive(conn)
+            message = engine_wire.receive(conn, ring)
         except (EOFError, OSError):
+            ring.close()
             code = process.wait()
             raise RuntimeError(f"the engine process exited with code {code} while starting "
                                "(its log is in this replica's stderr)") from None
         if not isinstance(message, Ready):
+            ring.close()
             process.wait()
             raise RuntimeError(f"engine {engine!r} failed to start: "
                                f"{getattr(message, 'message', message)}")
         logger.info("engine %s runs in process %d", engine, process.pid)
-        return cls(process, conn, message.info, on_death)
+        return cls(process, conn, message.info, on_death, ring)
 
     # -- what the synthesizer calls ------------------------------------------------------------
 
@@ -305,7 +314,7 @@ class EngineClient:
     def _read_forever(self) -> None:
         while True:
             try:
-                message, sending_at_s = engine_wire.receive_timed(self._conn)
+                message, sending_at_s = engine_wire.receive_timed(self._conn, self._ring)
             except (EOFError, OSError):
                 break
             if isinstance(message, Stats):
@@ -313,6 +322,8 @@ class EngineClient:
             elif self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, message, sending_at_s,
                                                 time.perf_counter())
+        if self._ring is not None:
+            self._ring.close()
         code = self._process.wait()
         dead = EngineDeadError(f"the engine process exited with code {code}")
         if not self._closing:

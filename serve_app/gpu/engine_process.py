@@ -21,7 +21,9 @@ for long while streams run, so the step thread never waits long to get it back a
 sync. A closed socket means the replica is gone: this process exits at once (the GPU memory
 goes with it).
 
-Run as ``python -m serve_app.gpu.engine_process FD`` by :class:`~serve_app.gpu.engine_client.EngineClient`.
+Run as ``python -m serve_app.gpu.engine_process FD [RING_FD RING_BYTES]`` by
+:class:`~serve_app.gpu.engine_client.EngineClient` (the socket, and the shared memory of
+:class:`~serve_app.gpu.engine_wire.AudioRing`).
 """
 
 from __future__ import annotations
@@ -112,9 +114,11 @@ def submit_each(engine: Engine, requests: list[SpeechRequest], sink: OutputSink
 class EngineServer:
     """Serves one engine to one replica until told to close or the replica is gone."""
 
-    def __init__(self, engine: Engine, conn: socket.socket) -> None:
+    def __init__(self, engine: Engine, conn: socket.socket,
+                 ring: engine_wire.AudioRing | None = None) -> None:
         self._engine = engine
         self._conn = conn
+        self._ring = ring  # written by the sender thread only
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[str, Callable[..., Any]] = {
             "feed_text": engine.feed_text,
@@ -163,7 +167,7 @@ class EngineServer:
             if message is None:
                 return
             try:
-                engine_wire.send(self._conn, message)
+                engine_wire.send(self._conn, message, self._ring)
             except (BrokenPipeError, OSError):
                 os._exit(0)
 
@@ -235,6 +239,9 @@ class EngineServer:
 
 def main() -> None:
     conn = socket.socket(fileno=int(sys.argv[1]))
+    # the shared memory its outputs' audio crosses in, when the replica made one
+    ring = (engine_wire.AudioRing(int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3
+            else None)
     # the step thread gives up the GIL at every GPU sync and must get it back at once
     sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(
@@ -254,7 +261,7 @@ def main() -> None:
     logger.info("engine process ready: cpus=%d usable_cpus=%d OMP_NUM_THREADS=%s "
                 "torch_threads=%s", os.cpu_count() or 0, len(os.sched_getaffinity(0)),
                 os.environ.get("OMP_NUM_THREADS", "-"), _torch_threads())
-    EngineServer(engine, conn).run(engine_info(engine, start.engine))
+    EngineServer(engine, conn, ring).run(engine_info(engine, start.engine))
 
 
 def _torch_threads() -> str:

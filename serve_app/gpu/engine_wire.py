@@ -31,10 +31,20 @@ than the sink's whole hand-off (``scripts/bench_engine_wire.py``).
 
 Pickling happens in the thread that makes the message (:func:`encode`); writing can happen in
 another (:func:`send`), which is how the engine process keeps its step thread's hand-off cheap.
+
+From the engine process to its replica the buffers go through an :class:`AudioRing` where it has
+room: shared memory both processes map, so the socket carries only the frame's head and pickle,
+and the reader copies each buffer out of the ring into an array of its own. A step's megabytes
+then cost no trips through the kernel (through the socket they took 21.7 ms p50 from the
+sender's start to the reader's end at read 736 on an H100, lease G, against 0.3 ms for one
+stream). A message whose buffers do not fit the ring's free space crosses the socket as before:
+the sender never waits for the reader and never overwrites what it has not read.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import pickle
 import socket
 import struct
@@ -48,7 +58,10 @@ import numpy as np
 # sync, waits at most this long for the GIL (engine_process.py, engine_client.py).
 GIL_SWITCH_INTERVAL_S = 0.001
 
-_PREFIX = struct.Struct("<QId")  # pickle bytes, buffer count, when the sender began writing
+# pickle bytes, buffer count, when the sender began writing, where in the ring the buffers are
+# (an absolute byte position; IN_FRAME: in the frame, after the pickle)
+_PREFIX = struct.Struct("<QIdQ")
+IN_FRAME = (1 << 64) - 1
 _SIZE = struct.Struct("<Q")
 # At most this many pieces per sendmsg or recvmsg_into (Linux's IOV_MAX is 1024).
 _MAX_PIECES = 512
@@ -70,10 +83,80 @@ def encode(message: object) -> Encoded:
     return Encoded(len(body), sizes + body, buffers)
 
 
-def send(sock: socket.socket, encoded: Encoded) -> None:
-    prefix = _PREFIX.pack(encoded.body_bytes, len(encoded.buffers), time.perf_counter())
+class AudioRing:
+    """Shared memory (a memfd) that one sender writes messages' buffers into and one reader
+    copies them out of, in order. Positions are absolute byte counts: the sender's next one
+    lives in its process, the reader's count of bytes done in the ring's first 8 bytes, which
+    only the reader writes (an aligned 8-byte store: whole on x86-64 and ARM64). The socket
+    frame that names a position is written after its buffers, so the reader never sees a
+    position before its bytes."""
+
+    HEAD_BYTES = 64
+
+    def __init__(self, fd: int, capacity: int) -> None:
+        self.fd = fd
+        self.capacity = capacity
+        self._map = mmap.mmap(fd, self.HEAD_BYTES + capacity)
+        self._data = memoryview(self._map)[self.HEAD_BYTES:]
+        self._next = 0  # the sender's next free position
+
+    @classmethod
+    def create(cls, capacity: int) -> "AudioRing":
+        fd = os.memfd_create("engine-audio-ring")
+        os.ftruncate(fd, cls.HEAD_BYTES + capacity)
+        return cls(fd, capacity)
+
+    def _done(self) -> int:
+        return _SIZE.unpack_from(self._map, 0)[0]
+
+    @property
+    def bytes_taken(self) -> int:
+        """Bytes the reader has copied out (and skipped at the ring's end) so far."""
+        return self._done()
+
+    def put(self, buffers: list[memoryview]) -> int | None:
+        """Copy ``buffers`` into the ring, one after another; their start position, or None
+        when the unread bytes leave no room for them (nothing is written then)."""
+        total = sum(view.nbytes for view in buffers)
+        start = self._next
+        if start % self.capacity + total > self.capacity:  # no wrapping inside a message
+            start += self.capacity - start % self.capacity
+        if total > self.capacity or start + total - self._done() > self.capacity:
+            return None
+        offset = start % self.capacity
+        for view in buffers:  # memcpy with the GIL held: one hold, not one wait per buffer
+            self._data[offset:offset + view.nbytes] = view
+            offset += view.nbytes
+        self._next = start + total
+        return start
+
+    def take(self, start: int, sizes: list[int]) -> list[np.ndarray]:
+        """Copies of the buffers of ``sizes`` bytes from ``start`` on; their room is free
+        again."""
+        offset = start % self.capacity
+        buffers = []
+        for size in sizes:
+            buffer = np.empty(size, np.uint8)
+            memoryview(buffer)[:] = self._data[offset:offset + size]  # memcpy, GIL held
+            buffers.append(buffer)
+            offset += size
+        _SIZE.pack_into(self._map, 0, start + sum(sizes))
+        return buffers
+
+    def close(self) -> None:
+        self._data.release()
+        self._map.close()
+        os.close(self.fd)
+
+
+def send(sock: socket.socket, encoded: Encoded, ring: AudioRing | None = None) -> None:
+    buffers = [buffer.raw() for buffer in encoded.buffers]
+    start = ring.put(buffers) if ring is not None and buffers else None
+    prefix = _PREFIX.pack(encoded.body_bytes, len(encoded.buffers), time.perf_counter(),
+                          IN_FRAME if start is None else start)
     views = [memoryview(prefix), memoryview(encoded.header)]
-    views += [buffer.raw() for buffer in encoded.buffers]
+    if start is None:
+        views += buffers
     views = [view for view in views if view.nbytes]
     while views:  # a signal may cut a blocking sendmsg short
         views = _after(views, sock.sendmsg(views[:_MAX_PIECES]))
@@ -83,21 +166,29 @@ def send_message(sock: socket.socket, message: object) -> None:
     send(sock, encode(message))
 
 
-def receive(sock: socket.socket) -> object:
+def receive(sock: socket.socket, ring: AudioRing | None = None) -> object:
     """The next message (raises EOFError or OSError when the other side is gone)."""
-    return receive_timed(sock)[0]
+    return receive_timed(sock, ring)[0]
 
 
-def receive_timed(sock: socket.socket) -> tuple[object, float]:
-    """The next message and when its sender began writing it (``time.perf_counter``)."""
+def receive_timed(sock: socket.socket, ring: AudioRing | None = None) -> tuple[object, float]:
+    """The next message and when its sender began writing it (``time.perf_counter``); its
+    buffers come from ``ring`` where the sender put them there."""
     prefix = bytearray(_PREFIX.size)
     _read_all(sock, [memoryview(prefix)])
-    body_bytes, count, sending_at_s = _PREFIX.unpack(prefix)
+    body_bytes, count, sending_at_s, start = _PREFIX.unpack(prefix)
     sizes = bytearray(count * _SIZE.size)
     _read_all(sock, [memoryview(sizes)])
     body = bytearray(body_bytes)
-    buffers = [np.empty(size, np.uint8) for (size,) in _SIZE.iter_unpack(sizes)]
-    _read_all(sock, [memoryview(body)] + [memoryview(buffer) for buffer in buffers])
+    lengths = [size for (size,) in _SIZE.iter_unpack(sizes)]
+    if start == IN_FRAME:
+        buffers = [np.empty(size, np.uint8) for size in lengths]
+        _read_all(sock, [memoryview(body)] + [memoryview(buffer) for buffer in buffers])
+    else:
+        if ring is None:
+            raise OSError("a message's buffers are in a ring this end does not map")
+        _read_all(sock, [memoryview(body)])
+        buffers = ring.take(start, lengths)
     return pickle.loads(body, buffers=buffers), sending_at_s
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import pickle
 import socket
 import threading
@@ -195,3 +196,71 @@ def test_a_frame_carries_when_its_sender_began_writing_it() -> None:
         message, sending_at_s = engine_wire.receive_timed(reader)
     assert isinstance(message, Outputs) and message.made_at_s == 1.0
     assert before_s <= sending_at_s <= after_s
+
+
+def across_ring(ring_bytes: int, *messages: object) -> tuple[list[object], int]:
+    """``messages`` sent through a socket pair and an AudioRing of ``ring_bytes`` and read at
+    the other end; and the bytes the reader took from the ring."""
+    writer, reader = socket.socketpair()
+    ring = engine_wire.AudioRing.create(ring_bytes)
+    # the reader's mapping of the same memory, as the replica's is (the fd crosses processes)
+    reader_ring = engine_wire.AudioRing(os.dup(ring.fd), ring_bytes)
+    received = []
+    with writer, reader:
+        for message in messages:  # one at a time: each finds room, only its head on the socket
+            engine_wire.send(writer, engine_wire.encode(message), ring)
+            received.append(engine_wire.receive(reader, reader_ring))
+    carried = reader_ring.bytes_taken
+    ring.close()
+    reader_ring.close()
+    return received, carried
+
+
+def step_bytes(items: list[tuple[str, object]]) -> int:
+    return sum(item.samples.nbytes for _, item in items if isinstance(item, AudioChunk))
+
+
+def test_a_step_crosses_in_the_ring_whole_and_each_chunk_owns_its_samples() -> None:
+    sent = a_step()
+    (received,), carried = across_ring(32 << 20, Outputs(sent, made_at_s=3.0))
+    assert isinstance(received, Outputs) and received.made_at_s == 3.0
+    assert_same_items(received.items, sent)
+    assert carried == step_bytes(sent)  # the audio went through the ring, not the socket
+    chunks = [item for _, item in received.items if isinstance(item, AudioChunk)]
+    assert all(chunk.samples.flags.writeable and chunk.samples.base is not None
+               for chunk in chunks if len(chunk.samples))
+    for chunk in chunks:  # copies of their own: writing one changes no other
+        chunk.samples[:] = 5.0
+    assert all((got.samples == 5.0).all() for _, got in received.items
+               if isinstance(got, AudioChunk))
+
+
+def test_steps_wrap_around_the_ring_in_order() -> None:
+    steps = [a_step(12, seed) for seed in range(30)]  # ~0.5 MB each through a 2 MB ring
+    received, carried = across_ring(2 << 20, *(Outputs(step) for step in steps))
+    for got, step in zip(received, steps):
+        assert_same_items(got.items, step)
+    # each message starts where it fits whole; what a wrap skips counts as taken too
+    assert carried >= sum(step_bytes(step) for step in steps)
+
+
+def test_a_step_that_finds_the_ring_full_crosses_the_socket() -> None:
+    """The sender never waits for the reader and never overwrites what it has not read: a step
+    sent while the ring still holds an unread one, with too little room beside it, goes through
+    the socket, and both arrive whole and in order."""
+    first, second = a_step(40, 0), a_step(2, 1)  # ~1.4 MB, then ~80 KB (fits a socket buffer)
+    room = step_bytes(first) + 50_000  # the second does not fit beside the first
+    writer, reader = socket.socketpair()
+    ring = engine_wire.AudioRing.create(room)
+    reader_ring = engine_wire.AudioRing(os.dup(ring.fd), room)
+    with writer, reader:
+        engine_wire.send(writer, engine_wire.encode(Outputs(first)), ring)
+        engine_wire.send(writer, engine_wire.encode(Outputs(second)), ring)
+        received = [engine_wire.receive(reader, reader_ring) for _ in range(2)]
+    assert_same_items(received[0].items, first)
+    assert_same_items(received[1].items, second)
+    assert reader_ring.bytes_taken == step_bytes(first)  # only the first used the ring
+    # once the first is read, there is room again
+    assert ring.put([memoryview(np.zeros(60_000, np.uint8))]) is not None
+    ring.close()
+    reader_ring.close()
