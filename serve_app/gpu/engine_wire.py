@@ -96,7 +96,9 @@ class AudioRing:
     def __init__(self, fd: int, capacity: int) -> None:
         self.fd = fd
         self.capacity = capacity
-        self._map = mmap.mmap(fd, self.HEAD_BYTES + capacity)
+        # mapped with its pages in place (Linux), so no write or read of a step takes page faults
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(fd, self.HEAD_BYTES + capacity, flags=flags)
         self._data = memoryview(self._map)[self.HEAD_BYTES:]
         self._next = 0  # the sender's next free position
 
