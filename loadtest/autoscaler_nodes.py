@@ -152,6 +152,12 @@ def take_sample(gcs_address: str) -> dict[str, Any]:
     return sample
 
 
+def node_gone_in_a_sample(samples: list[dict[str, Any]], since: float) -> bool:
+    """Whether a sample taken after ``since`` counts one GPU-like node alive and a dead one."""
+    return any(s["at"] > since and s.get("gpu_like_nodes") == 1 and s.get("worker_nodes_dead")
+               for s in samples)
+
+
 def went(values: list[int]) -> list[int]:
     """Values in order with repeats folded: [1, 2, 1] for a full cycle."""
     folded: list[int] = []
@@ -320,8 +326,11 @@ def run(args: argparse.Namespace, cluster: AutoscalingLocalCluster, work: Path
                 launch["terminated_at"] and launch["terminated_at"] > launches[1]["decided_at"]
                 for launch in launches)
 
-        wait_until(settled, args.settle_timeout_s, 2.0)
-        time.sleep(2 * args.sample_s)  # the removal shows in a sample
+        if wait_until(settled, args.settle_timeout_s, 0.5):
+            # Until a sample taken since shows the removal (the timeline ends with it).
+            since = time.time()
+            wait_until(lambda: node_gone_in_a_sample(sampler.samples, since),
+                       4 * args.sample_s, 0.25)
     finally:
         sampler.stop()
         ray.shutdown()

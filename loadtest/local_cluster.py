@@ -33,6 +33,11 @@ MARKER_ENV = "LOCAL_RAY_CLUSTER_ID"
 RAY = str(Path(sys.executable).parent / "ray")
 STARTED_LINE = "Ray runtime started"
 START_ATTEMPTS = 5
+# On SIGTERM, `ray start --block` first drains its node, for up to this setting's seconds (30 by
+# default), so that a load balancer can move traffic off a node that leaves a cluster which goes
+# on. :meth:`LocalCluster.stop` ends the whole cluster at once, so nothing can take over: the head
+# waited out the drain until the SIGKILL 10 s later, on every stop. 0: Ray's immediate teardown.
+SIGTERM_DRAIN_SETTING = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 
 
 RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default worker range
@@ -162,6 +167,7 @@ class LocalCluster:
             "RAY_AUTH_TOKEN_PATH": str(self.token_path),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ADDRESS": self.address,
+            SIGTERM_DRAIN_SETTING: "0",
         }
 
     def start(self) -> LocalCluster:

@@ -17,7 +17,8 @@ size.
    requests and finishes its streams (``graceful_shutdown_timeout_s`` bounds the wait; it is
    longer than the longest stream here); its node's ``gpu_like`` is then free for the new
    replica, while the other old replica serves the new requests.
-3. It waits until only new replicas run and every stream has ended.
+3. It waits until only new replicas run, then starts one more request over each kind (on the
+   new version only), and waits until every stream and request has ended.
 
 Required: every stream in flight at the deploy finishes whole (``dropped_streams`` 0), every
 request made during the rollout is served (``failed_requests`` 0). ``new_version_serving_s`` is
@@ -117,18 +118,24 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     states: list[dict[str, Any]] = []
     rollout_over = asyncio.Event()
 
-    async def keep_requesting() -> None:
+    def request_over_each_kind(index: int) -> None:
+        texts = MEDIUM if index % 3 == 0 else SHORT
+        for kind in KINDS:
+            new_requests.append(asyncio.create_task(one_stream(
+                kind, base_url, texts[index % len(texts)], clock, args.give_up_s)))
+
+    async def keep_requesting() -> int:
+        """A request over each kind every ``--interval-s`` until the rollout is over; how many
+        rounds it started."""
         index = 0
         while not rollout_over.is_set():
-            for kind in KINDS:
-                texts = MEDIUM if index % 3 == 0 else SHORT
-                new_requests.append(asyncio.create_task(one_stream(
-                    kind, base_url, texts[index % len(texts)], clock, args.give_up_s)))
+            request_over_each_kind(index)
             index += 1
             try:
                 await asyncio.wait_for(rollout_over.wait(), args.interval_s)
             except TimeoutError:
                 pass
+        return index
 
     # Every long stream under way (its first audio in) before the deploy.
     deadline = time.monotonic() + args.give_up_s
@@ -156,9 +163,9 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
 
     over = await asyncio.to_thread(wait_until, rolled_out, args.rollout_timeout_s, 1.0)
     record["rollout_over_t_s"] = clock() if over else None
-    await asyncio.sleep(2 * args.interval_s)  # a few requests on the new version only
     rollout_over.set()
-    await requester
+    # A request over each kind on the new version only (the gather below waits for them).
+    request_over_each_kind(await requester)
     record["long_streams"] = list(await asyncio.gather(*long_streams))
     record["new_requests"] = list(await asyncio.gather(*new_requests))
     record["replica_states"] = states
