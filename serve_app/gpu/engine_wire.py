@@ -34,11 +34,12 @@ another (:func:`send`), which is how the engine process keeps its step thread's 
 
 From the engine process to its replica the buffers go through an :class:`AudioRing` where it has
 room: shared memory both processes map, so the socket carries only the frame's head and pickle,
-and the reader copies each buffer out of the ring into an array of its own. A step's megabytes
-then cost no trips through the kernel (through the socket they took 21.7 ms p50 from the
-sender's start to the reader's end at read 736 on an H100, lease G, against 0.3 ms for one
-stream). A message whose buffers do not fit the ring's free space crosses the socket as before:
-the sender never waits for the reader and never overwrites what it has not read.
+and the reader copies each buffer out of the ring into an array of its own: a step's megabytes
+take no trips through the kernel. At read 736 on an H100 a first chunk's crossing (the sender's
+start to the reader's end) was 21.7 / 53.2 ms p50 / p99 through the socket and 18.8 / 34.7 ms
+through the ring, in runs on two machines (docs/benchmarks/README.md, "Current"). A message
+whose buffers do not fit the ring's free space crosses the socket as before: the sender never
+waits for the reader and never overwrites what it has not read.
 """
 
 from __future__ import annotations
