@@ -161,25 +161,30 @@ class EngineClient:
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         sys.setswitchinterval(engine_wire.GIL_SWITCH_INTERVAL_S)  # this replica's process
-        ring = engine_wire.AudioRing.create(AUDIO_RING_BYTES)
+        # shared memory needs a memfd (Linux); elsewhere the audio takes the socket
+        ring = (engine_wire.AudioRing.create(AUDIO_RING_BYTES)
+                if hasattr(os, "memfd_create") else None)
+        ring_fds = [ring.fd] if ring is not None else []
         env = dict(os.environ)
         # The child imports serve_app from wherever this process found it.
         env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
         process = subprocess.Popen(
             [sys.executable, "-m", "serve_app.gpu.engine_process", str(theirs.fileno()),
-             str(ring.fd), str(ring.capacity)],
-            pass_fds=[theirs.fileno(), ring.fd], env=env, close_fds=True)
+             *([str(ring.fd), str(ring.capacity)] if ring is not None else [])],
+            pass_fds=[theirs.fileno(), *ring_fds], env=env, close_fds=True)
         theirs.close()
         try:
             engine_wire.send_message(conn, Start(engine, dict(options)))
             message = engine_wire.receive(conn, ring)
         except (EOFError, OSError):
-            ring.close()
+            if ring is not None:
+                ring.close()
             code = process.wait()
             raise RuntimeError(f"the engine process exited with code {code} while starting "
                                "(its log is in this replica's stderr)") from None
         if not isinstance(message, Ready):
-            ring.close()
+            if ring is not None:
+                ring.close()
             process.wait()
             raise RuntimeError(f"engine {engine!r} failed to start: "
                                f"{getattr(message, 'message', message)}")

@@ -5,12 +5,14 @@ voice clip, a voice's embeddings) are left out of the pickle (pickle protocol 5,
 so the thread that pickles a message never copies the audio. Each message is one frame on a
 stream socket (the replica and its engine process hold the two ends of a socket pair):
 
-- the pickle's size, the number of buffers and the clock reading (``time.perf_counter``, one
-  clock for the host's processes) when the sender began writing it (``<QId``, little-endian):
-  with the sink's reading in the message, it splits a chunk's way into the wait for the sender
-  and the write and read;
+- the pickle's size, the number of buffers, the clock reading (``time.perf_counter``, one
+  clock for the host's processes) when the sender began writing it, and where the buffers are
+  in the :class:`AudioRing` (``IN_FRAME``: in this frame) (``<QIdQ``, little-endian); with the
+  sink's reading in the message, the clock splits a chunk's way into the wait for the sender
+  and the crossing;
 - each buffer's size (8 bytes each);
-- the pickle, then every buffer, in the order the pickle refers to them.
+- the pickle, then every buffer (unless they are in the ring), in the order the pickle refers
+  to them.
 
 The sender writes the whole frame in one gathering write (``sendmsg``) straight from the arrays:
 nothing is joined or copied on its side. The receiver reads the two small heads, allocates one
