@@ -30,8 +30,8 @@ REPLICA_LEG = {
     # ... the sink took it -> the engine's sender thread began writing it (pickling on the step
     # thread, the messages before it, the sender's wait for the GIL)
     "engine_to_sender_ms": ("sending", "sent"),
-    # ... the sender began writing -> the reader had it all, unpickled (the socket, both sides'
-    # threads)
+    # ... the sender began writing -> the reader had it all, unpickled (the audio ring or the
+    # socket, both sides' threads)
     "sender_to_reader_ms": ("received", "sending"),
     # the reader thread -> the replica's event loop put it in the stream's inbox
     "reader_to_loop_ms": ("dispatched", "received"),
