@@ -272,8 +272,9 @@ class CpuMeter:
 
         self._psutil = psutil
         self._started = time.monotonic()
-        self._before = self._sample()
-        self._threads_before = self._engine_threads()
+        processes = self._processes()
+        self._before = self._sample(processes)
+        self._threads_before = self._engine_threads(processes)
 
     def _processes(self) -> dict[str, list[Any]]:
         found: dict[str, list[Any]] = {}
@@ -291,9 +292,9 @@ class CpuMeter:
                 found.setdefault("HAProxy", []).append(process)
         return found
 
-    def _sample(self) -> dict[int, tuple[str, float]]:
+    def _sample(self, found: dict[str, list[Any]]) -> dict[int, tuple[str, float]]:
         sample = {}
-        for name, processes in self._processes().items():
+        for name, processes in found.items():
             for process in processes:
                 try:
                     times = process.cpu_times()
@@ -302,10 +303,10 @@ class CpuMeter:
                 sample[process.pid] = (name, times.user + times.system)
         return sample
 
-    def _engine_threads(self) -> dict[tuple[int, int], float]:
+    def _engine_threads(self, found: dict[str, list[Any]]) -> dict[tuple[int, int], float]:
         """CPU seconds of each thread of the engine processes, by (process, thread) id."""
         sample = {}
-        for name, processes in self._processes().items():
+        for name, processes in found.items():
             for process in processes if name.endswith("Engine") else ():
                 try:
                     threads = process.threads()
@@ -320,8 +321,9 @@ class CpuMeter:
         ``sum`` over its processes, and its ``busiest_process``; and the engine processes'
         threads that ran, busiest first (the step thread, then the ones that may hold the GIL
         it waits for: the socket's reader and sender, the event loop, CUDA's and PyTorch's)."""
-        after = self._sample()
-        threads_after = self._engine_threads()
+        processes = self._processes()
+        after = self._sample(processes)
+        threads_after = self._engine_threads(processes)
         wall = time.monotonic() - self._started
         used: dict[str, list[float]] = {}
         for pid, (name, seconds) in after.items():

@@ -177,15 +177,14 @@ class EngineClient:
             engine_wire.send_message(conn, Start(engine, dict(options)))
             message = engine_wire.receive(conn, ring)
         except (EOFError, OSError):
-            if ring is not None:
-                ring.close()
-            code = process.wait()
-            raise RuntimeError(f"the engine process exited with code {code} while starting "
-                               "(its log is in this replica's stderr)") from None
+            message = None
         if not isinstance(message, Ready):
             if ring is not None:
                 ring.close()
-            process.wait()
+            code = process.wait()
+            if message is None:
+                raise RuntimeError(f"the engine process exited with code {code} while starting "
+                                   "(its log is in this replica's stderr)")
             raise RuntimeError(f"engine {engine!r} failed to start: "
                                f"{getattr(message, 'message', message)}")
         logger.info("engine %s runs in process %d", engine, process.pid)

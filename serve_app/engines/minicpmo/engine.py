@@ -254,13 +254,13 @@ class MiniCPMOEngine(SubmitsIterators):
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds spent in each phase of the step so far (only with ``profile_phases``)."""
-        return self._loop.phase_seconds()
+        return self._loop.phase_seconds() if self.options.profile_phases else {}
 
     def step_phase_seconds(self) -> dict[str, float]:
         """Host seconds spent in each phase of the step so far, profiled or not: the served
         engine's busy periods log them per step (``EngineWatch``), beside bench_engine's
         ``step_phase_ms``."""
-        return self._loop.host_phase_seconds()
+        return self._loop.phase_seconds()
 
     def step_log(self, since_s: float = 0.0) -> list[StepRecord]:
         """The engine's recent steps (the last ``STEP_LOG_LENGTH``) that began at or after

@@ -112,10 +112,8 @@ class StepLoop:
         return self.endings.traces.get(request_id)
 
     def phase_seconds(self) -> dict[str, float]:
+        """All steps' time by phase (host time, device time too with ``profile_phases``)."""
         return dict(self.phases.totals)
-
-    def host_phase_seconds(self) -> dict[str, float]:
-        return dict(self.phases.host_totals)
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)

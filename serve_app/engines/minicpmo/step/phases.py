@@ -12,17 +12,16 @@ from ..options import EngineOptions
 
 class PhaseClock:
     """Accounts the step's time to its phases: :meth:`lap` gives the time since the last lap (or
-    :meth:`start`) to a phase, in this step's record and, with ``profile_phases``, in the running
-    totals too (profiling synchronises the GPU at each lap, so that a phase's device work is
+    :meth:`start`) to a phase, in this step's record and in the running totals (with
+    ``profile_phases`` it synchronises the GPU at each lap, so that a phase's device work is
     counted in it rather than in the next phase that waits)."""
 
     def __init__(self, options: EngineOptions, device: torch.device) -> None:
         self._options = options
         self._device = device
-        self.totals: dict[str, float] = collections.defaultdict(float)  # profiled, all steps
-        # host time by phase, all steps, profiled or not: what the served engine reports
-        # (``Engine.step_phase_seconds``) beside bench_engine's ``step_phase_ms``
-        self.host_totals: dict[str, float] = {}
+        # all steps' time by phase (device time included only with ``profile_phases``); the
+        # served engine reports it (``Engine.step_phase_seconds``) beside bench_engine's
+        self.totals: dict[str, float] = collections.defaultdict(float)
         self._step: dict[str, float] = collections.defaultdict(float)
         self._mark = 0.0
 
@@ -37,9 +36,7 @@ class PhaseClock:
             torch.cuda.synchronize()
         now = time.perf_counter()
         self._step[name] += now - self._mark
-        self.host_totals[name] = self.host_totals.get(name, 0.0) + (now - self._mark)
-        if profiling:
-            self.totals[name] += now - self._mark
+        self.totals[name] += now - self._mark
         self._mark = now
 
     def take_step(self) -> tuple[tuple[str, float], ...]:
