@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 
-INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)")
+INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)"
+                          r"(?: dispatched_ms=([\d.]+))?(?: first_item_ms=([\d.]+))?")
 SYNTHESIZER_LINE = re.compile(
     r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)"
     r"(?: engine_sent_ms=([\d.]+|-) replica_received_ms=([\d.]+|-)"
@@ -83,7 +84,8 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
     request by request; ``replica_leg`` splits the replica's time around the engine's
     (:data:`REPLICA_LEG`). ``requests`` counts the matched requests, ``requests_ok`` the
     level's."""
-    ingress = {m[1]: float(m[2]) for m in INGRESS_LINE.finditer(log_text)}
+    ingress_lines = {m[1]: m for m in INGRESS_LINE.finditer(log_text)}
+    ingress = {rid: float(m[2]) for rid, m in ingress_lines.items()}
     readings = {m[1]: {"replica": float(m[2]), "engine": _reading(m[3]), "sent": _reading(m[4]),
                        "received": _reading(m[5]), "dispatched": _reading(m[6]),
                        "sending": _reading(m[7])}
@@ -109,7 +111,31 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
             leg[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
     if leg:
         result["replica_leg"] = leg
+    front = _ingress_leg([(ingress_lines[r["request_id"]], readings[r["request_id"]]["replica"])
+                          for r in ok if r.get("request_id") in ingress_lines
+                          and r.get("request_id") in readings])
+    if front:
+        result["ingress_leg"] = front
     return result
+
+
+def _ingress_leg(matched: list[tuple[re.Match, float]]) -> dict[str, Any]:
+    """The Ingress replica's leg of a first chunk, from its log line's clock readings (ms since
+    the request reached it) and the Synthesizer replica's TTFB: until it called the synthesizer
+    (the body parsed and checked), the two crossings between the replicas (the synthesizer's
+    call there and its first item back: the first item's wait minus the replica's own TTFB),
+    and from that item to the first body byte."""
+    parts: dict[str, list[float]] = {"to_dispatch_ms": [], "crossings_ms": [],
+                                     "item_to_body_ms": []}
+    for line, replica_ms in matched:
+        if line[3] is None or line[4] is None:
+            continue
+        ttfb, dispatched, first_item = float(line[2]), float(line[3]), float(line[4])
+        parts["to_dispatch_ms"].append(dispatched)
+        parts["crossings_ms"].append(first_item - dispatched - replica_ms)
+        parts["item_to_body_ms"].append(ttfb - first_item)
+    return {name: {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+            for name, values in parts.items() if values}
 
 
 def _reading(text: str | None) -> float | None:

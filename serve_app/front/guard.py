@@ -196,6 +196,10 @@ class RequestRecord:
             "rate": speech.get("sample_rate_hz"), "text_chars": speech.get("text_chars"),
             "body_bytes": self.body_bytes, "bytes_out": self.bytes_out,
             "ttfb_ms": None if self.ttfb_s is None else round(self.ttfb_s * 1000, 1),
+            # a speech request's way to its first byte: the call to the synthesizer, its first
+            # item back (ms since the request reached this replica)
+            **{f"{name}_ms": round((speech[f"{name}_s"] - self.started_s) * 1000, 1)
+               for name in ("dispatched", "first_item") if f"{name}_s" in speech},
             "duration_ms": round((time.perf_counter() - self.started_s) * 1000, 1),
         }
         line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)

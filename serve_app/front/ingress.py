@@ -110,11 +110,14 @@ def _request_id(http: Request) -> str:
             or uuid.uuid4().hex)
 
 
-def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz: int) -> None:
-    """What RequestGuard's log line says about a speech request; the text only at debug."""
+def _describe(http: Request, request: SpeechRequest, audio_format: str, rate_hz: int
+              ) -> dict[str, Any]:
+    """What RequestGuard's log line says about a speech request (the dict, which ``_stream``
+    adds its clock readings to); the text only at debug."""
     http.state.speech = {"mode": request.mode, "format": audio_format, "sample_rate_hz": rate_hz,
                          "text_chars": len(request.text)}
     logger.debug("request %s text=%r", request.request_id, request.text)
+    return http.state.speech
 
 
 def _check_available(audio_format: str, param: str) -> None:
@@ -230,9 +233,9 @@ class Ingress:
                                     max_audio_s=self._api.max_audio_s,
                                     system_prompt=body.instructions or None,
                                     word_times=word_times)
-            _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
+            speech = _describe(http, request, body.response_format, OPENAI_PCM_RATE_HZ)
             return await self._stream(request, body.response_format, OPENAI_PCM_RATE_HZ,
-                                      received_s, events=body.stream_format == "sse")
+                                      received_s, speech, events=body.stream_format == "sse")
         except ApiError as error:
             raise errors.renamed(error, OPENAI_PARAM_NAMES) from None
 
@@ -251,8 +254,8 @@ class Ingress:
                                 voice=voice, speed=body.speed, seed=body.seed,
                                 max_audio_s=self._api.max_audio_s,
                                 system_prompt=body.instructions or None)
-        _describe(http, request, body.format, body.sample_rate)
-        return await self._stream(request, body.format, body.sample_rate, received_s)
+        speech = _describe(http, request, body.format, body.sample_rate)
+        return await self._stream(request, body.format, body.sample_rate, received_s, speech)
 
     async def _voice(self, voice: str, http: Request) -> str:
         """The engine voice a speech request asks for: an alias becomes the default voice; a
@@ -275,11 +278,16 @@ class Ingress:
                            param="instructions", code="string_too_long")
 
     async def _stream(self, request: SpeechRequest, audio_format: str, sample_rate_hz: int,
-                      received_s: float, events: bool = False) -> StreamingResponse:
+                      received_s: float, speech: dict[str, Any], events: bool = False
+                      ) -> StreamingResponse:
         job = EncodeJob(request=request, audio_format=audio_format, sample_rate_hz=sample_rate_hz,
                         events=events)
+        # clock readings for the request's log line (RequestRecord): the call to the
+        # synthesizer, and its first item back (encoded)
+        speech["dispatched_s"] = time.perf_counter()
         first, pieces, upstream = await open_stream(self._synthesizer, job, self._api,
                                                      self._encoder_metrics)
+        speech["first_item_s"] = time.perf_counter()
         if first:
             self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
                                        audio_format)

@@ -12,6 +12,7 @@ import numpy as np
 
 from loadtest.served_logs import REPLICA_LEG, engine_busy, ttfb_breakdown
 from serve_app.engines.base import AudioChunk
+from serve_app.front.guard import RequestRecord
 from serve_app.gpu.engine_client import stamp_way_back
 from serve_app.gpu.synthesizer import _log_first_chunk
 
@@ -57,6 +58,37 @@ def test_the_replica_leg_is_split_at_each_clock_reading(caplog):
     parts = ("to_engine_ms", "engine_to_reader_ms", "reader_to_loop_ms", "loop_to_out_ms")
     total = sum(leg[part]["p50"] for part in parts) + result["engine_ms"]["p50"]
     assert abs(total - replica_ttfb_s * 1000) <= 0.5  # the parts add up to the replica's TTFB
+
+
+def _ingress_line(caplog, request_id: str, dispatched_after_s: float, first_item_after_s: float,
+                  ttfb_s: float) -> str:
+    """The Ingress's request line as RequestRecord writes it, for a request that reached it
+    now, called the synthesizer and got its first item back after the given delays."""
+    record = RequestRecord({"method": "POST", "path": "/v1/speech/stream"},
+                           {"x-request-id": request_id})
+    record.state["speech"] = {"mode": "read", "format": "pcm",
+                              "dispatched_s": record.started_s + dispatched_after_s,
+                              "first_item_s": record.started_s + first_item_after_s}
+    record.status, record.completed, record.ttfb_s = 200, True, ttfb_s
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="serve_app.requests"):
+        record.log()
+    return caplog.text
+
+
+def test_the_ingress_leg_is_split_at_its_clock_readings(caplog):
+    ingress_line = _ingress_line(caplog, "req-4", dispatched_after_s=0.002,
+                                 first_item_after_s=0.050, ttfb_s=0.053)
+    synthesizer_line = "first audio of stream=req-4 replica_ttfb_ms=41.0 engine_ttfb_ms=38.0\n"
+    result = ttfb_breakdown(synthesizer_line + ingress_line,
+                            [{"ok": True, "ttfb_s": 0.056, "request_id": "req-4"}])
+
+    assert result["ingress_ms"]["p50"] == 53.0
+    leg = result["ingress_leg"]
+    assert leg["to_dispatch_ms"]["p50"] == 2.0
+    # the first item came 48 ms after the call, 41 of them the synthesizer replica's own
+    assert leg["crossings_ms"]["p50"] == 7.0
+    assert leg["item_to_body_ms"]["p50"] == 3.0
 
 
 def test_a_line_without_the_way_back_still_counts_and_has_no_leg():

@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from loadtest.served_logs import INGRESS_LINE
 from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 from tests.audio.decoding import decode_audio
 from tests.serving.conftest import Server, wait_ready
@@ -438,6 +439,12 @@ def test_one_log_line_per_request_with_id_mode_sizes_ttfb_outcome_and_no_secrets
     for part in ("mode=read", "format=pcm", "status=200", "outcome=ok", "ttfb_ms=",
                  f"text_chars={len(secret_text)}", "body_bytes=", "bytes_out=", "key=key#"):
         assert part in lines[0], (part, lines[0])
+    # the readings bench_serve splits the front's leg by: the call to the synthesizer, its first
+    # item back, the first body byte, in that order
+    match = INGRESS_LINE.search(lines[0])
+    assert match is not None and match[1] == request_id, lines[0]
+    ttfb_ms, dispatched_ms, first_item_ms = float(match[2]), float(match[3]), float(match[4])
+    assert 0 <= dispatched_ms <= first_item_ms <= ttfb_ms, lines[0]
     for path, text in logs.items():
         if not ("/serve/" in path or "/worker-" in path):
             continue  # Ray's own records of the test's runtime_env hold the env key
