@@ -579,6 +579,20 @@ def engine_part(path: Path | None) -> dict[str, Any] | None:
             "gpu": data.get("gpu")}
 
 
+def event_loop(replica_env: dict[str, str]) -> str:
+    """The event loop Ray gives the service's replicas here: ``uvloop <version>`` where it is
+    installed and not switched off (``RAY_USE_UVLOOP=0`` here or in ``replica_env``, the
+    replicas' ``--env``), else ``asyncio``."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    setting = replica_env.get("RAY_USE_UVLOOP", os.environ.get("RAY_USE_UVLOOP", "1"))
+    if setting.lower() in ("0", "false"):
+        return "asyncio"
+    return f"uvloop {uvloop.__version__}"
+
+
 def gpu_name() -> str:
     try:
         return subprocess.check_output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
@@ -703,6 +717,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "gpu": gpu_name(), "git_commit": git_commit(),
         "command": " ".join(["scripts/bench_serve", *sys.argv[1:]]),
         "served_config": config, "benchmark_mode": models[0].get("benchmark_mode"),
+        # the replicas' event loop: Ray runs them on uvloop when it is installed (the locked
+        # requirements have it), else on asyncio's own loop
+        "event_loop": event_loop(dict(pair.split("=", 1) for pair in args.env)),
         "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
         "rule": f"a level is real-time when >= {REALTIME_SHARE:.0%} of its streams never ran "
                 f"dry and p99 TTFB <= {args.ttfb_p99_limit_ms:g} ms (Poisson arrivals)",

@@ -80,3 +80,14 @@ def test_the_cpu_profile_runs_as_shipped_with_its_engines_own_options() -> None:
     assert app["args"]["engine_options"] == shipped["applications"][0]["args"]["engine_options"]
     assert AppArgs.model_validate(app["args"]).engine == "piper"
     assert deployments(config)["Synthesizer"]["num_replicas"] == 1
+
+
+def test_the_result_names_the_replicas_event_loop() -> None:
+    """The served JSON says whether Ray ran the replicas on uvloop (the locked requirements
+    install it, so the test environment has it) or on asyncio's own loop."""
+    import uvloop
+
+    from loadtest.bench_serve import event_loop
+
+    assert event_loop({}) == f"uvloop {uvloop.__version__}"
+    assert event_loop({"RAY_USE_UVLOOP": "0"}) == "asyncio"
