@@ -43,11 +43,17 @@ pytestmark = pytest.mark.slow
 # The pipeline must start (StartFrame through every processor) within this; generous for a
 # loaded two-core machine (Pipecat's default is 1 s).
 START_TIMEOUT_S = 60
+# Pipecat ends an utterance's audio context (pushing its TTSStoppedFrame) once no audio came for
+# this long, the first chunk's wait included: with its default (3 s) a first chunk later than
+# that on a loaded machine came after a TTSStoppedFrame. The stop frame of a whole utterance
+# comes this long after its last audio.
+STOP_FRAME_TIMEOUT_S = 10
 
 
 def pipecat_tts(server: Server, voice: str) -> OpenAITTSService:
     return OpenAITTSService(base_url=f"{server.base_url}/v1", api_key=server.api_key,
-                            settings=OpenAITTSService.Settings(voice=voice))
+                            settings=OpenAITTSService.Settings(voice=voice),
+                            stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S)
 
 
 def audio_s(frames: list[Frame]) -> float:
