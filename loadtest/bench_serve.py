@@ -167,7 +167,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
         options["model"] = str(args.checkpoint.resolve())
     if args.env:
         env_vars = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env_vars.update(dict(pair.split("=", 1) for pair in args.env))
+        env_vars.update(replica_env(args))
     levels = levels_by_mode(args)
     top = max((level for mode in args.modes for level in levels.get(mode, [])), default=1)
     slots = options.get("max_slots", 0)
@@ -579,15 +579,20 @@ def engine_part(path: Path | None) -> dict[str, Any] | None:
             "gpu": data.get("gpu")}
 
 
-def event_loop(replica_env: dict[str, str]) -> str:
+def replica_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment variables ``--env`` gives the app's replicas."""
+    return dict(pair.split("=", 1) for pair in args.env)
+
+
+def event_loop(env: dict[str, str]) -> str:
     """The event loop Ray gives the service's replicas here: ``uvloop <version>`` where it is
-    installed and not switched off (``RAY_USE_UVLOOP=0`` here or in ``replica_env``, the
+    installed and not switched off (``RAY_USE_UVLOOP=0`` here or in ``env``, the
     replicas' ``--env``), else ``asyncio``."""
     try:
         import uvloop
     except ImportError:
         return "asyncio"
-    setting = replica_env.get("RAY_USE_UVLOOP", os.environ.get("RAY_USE_UVLOOP", "1"))
+    setting = env.get("RAY_USE_UVLOOP", os.environ.get("RAY_USE_UVLOOP", "1"))
     if setting.lower() in ("0", "false"):
         return "asyncio"
     return f"uvloop {uvloop.__version__}"
@@ -719,7 +724,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "served_config": config, "benchmark_mode": models[0].get("benchmark_mode"),
         # the replicas' event loop: Ray runs them on uvloop when it is installed (the locked
         # requirements have it), else on asyncio's own loop
-        "event_loop": event_loop(dict(pair.split("=", 1) for pair in args.env)),
+        "event_loop": event_loop(replica_env(args)),
         "audio_seconds_per_request": args.audio_seconds, "chat_tokens": args.chat_tokens,
         "rule": f"a level is real-time when >= {REALTIME_SHARE:.0%} of its streams never ran "
                 f"dry and p99 TTFB <= {args.ttfb_p99_limit_ms:g} ms (Poisson arrivals)",

@@ -289,7 +289,7 @@ class Ingress:
                                                      self._encoder_metrics)
         speech["first_item_s"] = time.perf_counter()
         if first:
-            self._metrics.observe_ttfb(time.perf_counter() - received_s, request.mode,
+            self._metrics.observe_ttfb(speech["first_item_s"] - received_s, request.mode,
                                        audio_format)
         # x-request-id (= request.request_id) is added to the reply by Serve's proxy.
         headers = {"x-sample-rate": str(sample_rate_hz), "x-audio-format": audio_format}
