@@ -337,6 +337,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             decode_dtype=getattr(args, "decode_dtype", EngineOptions.decode_dtype),
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
+                            audio_cuts=getattr(args, "audio_cuts", "planned"),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
                             prefill_prompts=getattr(args, "prefill_prompts",
@@ -564,6 +565,9 @@ def main() -> None:
     parser.add_argument("--first-chunk-frames", type=int, default=None,
                         help="code frames in a stream's first audio chunk (EngineOptions; "
                              "default: a whole call, chunk_frames)")
+    parser.add_argument("--audio-cuts", choices=["planned", "on_demand"], default="planned",
+                        help="the engine's audio_cuts: cuts after the first chunk planned at "
+                             "admission, or made whenever a listener runs thin")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--gil-switch-intervals-ms", type=float, nargs="+", default=None,

@@ -7,7 +7,7 @@ Free of torch: ``serve run`` checks these options (names, types, values) when it
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, StrictBool
 from pydantic.dataclasses import dataclass
@@ -55,6 +55,10 @@ class EngineOptions:
     # so the listener's buffer never runs dry (step/first_chunk.py). False: always exactly
     # first_chunk_frames and whole calls after it, whatever the load (tests)
     first_chunk_follows_load: StrictBool = True
+    # how the cuts after the first chunk are made: "planned" at admission from the recent step
+    # time (step/first_chunk.py), or "on_demand" with the clock, whenever a listener runs thin
+    # (step/audio_cuts.py: a shorter TTFB, not yet every stream real-time)
+    audio_cuts: Literal["planned", "on_demand"] = "planned"
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: Positive = 2048
     voices: StrictBool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one

@@ -64,6 +64,9 @@ def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = Fals
     if stream.schedule is not None:
         stream.schedule.text_since_emit = ""
     stream.chunks_sent += 1
+    if len(samples):
+        stream.played_out_at = (max(stream.played_out_at or now, now)
+                                + len(samples) / SAMPLE_RATE_HZ)
     words = () if stream.words is None else stream.words.chunk(
         text, len(samples), next_text(stream))
     send(outbox, stream, AudioChunk(stream.request_id, samples.astype(np.float32, copy=False),

@@ -79,6 +79,9 @@ class Stream:
     tts_steps: int = 0
     joiner: StreamingAudioJoiner | None = None
     first_audio_at: float | None = None
+    # when a listener playing its audio as it came would play it out: each chunk plays after the
+    # last, or when it comes if that ran dry (time.perf_counter(); None before any audio)
+    played_out_at: float | None = None
     chunks_sent: int = 0
     done: bool = False
     words: ReleasedWords | None = None  # with word_times: its words as their text is released

@@ -127,10 +127,10 @@ class SpeechSchedule:
     decode_tokens: Callable[[Sequence[int]], str]
     chunk_frames: int = 25
     # frames (counted from the stream's start) at which a generate call's audio is also
-    # decoded and sent, besides each call's end (step/first_chunk.py): the first chunk's end and
-    # the cuts that keep a new listener fed. Empty: upstream's pieces exactly. The codes never
-    # change, only where the decoder cuts the audio (EngineOptions.first_chunk_frames)
-    extra_cuts: frozenset[int] = frozenset()
+    # decoded and sent, besides each call's end (step/first_chunk.py): the first chunk's end,
+    # then each cut made while the listener ran thin (:meth:`cut_now`). Empty: upstream's pieces
+    # exactly. The codes never change, only where the decoder cuts the audio
+    extra_cuts: set[int] = field(default_factory=set)
     max_segment_frames: int = 2048
     max_positions: int = 4096
     ignore_eos: bool = False
@@ -327,6 +327,15 @@ class SpeechSchedule:
         self.phase = Phase.WAITING_TEXT
         return jobs
 
+    def cut_now(self) -> list[object]:
+        """The call's audio so far as a piece, now (its listener runs thin); none in a carried
+        segment, or with no new frame."""
+        if (self.phase is not Phase.GENERATING or self.carried_segment
+                or len(self.segment_frames) <= self.decoded_upto):
+            return []
+        self.extra_cuts.add(self.frames_total)
+        return self._piece_job(last=False)
+
     def _piece_job(self, last: bool) -> list[object]:
         """Decode the segment's frames since the last piece, with up to CONTEXT_FRAMES before
         them as context."""
@@ -343,30 +352,33 @@ class SpeechSchedule:
         if not (allow_next and self.pending_new_segment and not self.stopped):
             self._finish()
             return []
-        return self._start_carried_segment()
+        return start_carried_segment(self)
 
     def _finish(self) -> None:
         self.phase = Phase.DONE
 
-    def _start_carried_segment(self) -> list[object]:
-        c = self.config
-        carried_text = self.text_ids[-CARRY_TEXT_TOKENS:]
-        carried_frames = self.segment_frames[-CARRY_FRAMES:]
-        text = self.decode_tokens(carried_text)
-        self.after_break, self.cut_at_a_break = self.cut_at_a_break, False
-        self.left_to_speak = self.after_break and has_speakable_text(self.text_left)
-        self.carry_chars = len(text)
-        self.piece_log = []
-        self.gen_text = self.gen_text_raw = text + self.text_left
-        self.text_left, self.text_ids = "", list(carried_text)
-        self.pending_new_segment = self.in_tail = False
-        self.carried_segment, self.piece_in_segment = True, 0
-        self.chunk_index = len(carried_text) // c.streaming_text_chunk_size
-        self.segment_frames = [tuple(f) for f in carried_frames]
-        self.finished_segments[-1] = list(self.finished_segments[-1])
-        self.decoded_upto = len(self.segment_frames)
-        self.segment_started_fresh = True
-        self.cache_len = c.audio_bos_position + len(carried_frames)
-        self.phase = Phase.WAITING_TEXT
-        return carried_segment_work(c, self.stts_id, carried_text, carried_frames)
+
+def start_carried_segment(schedule: SpeechSchedule) -> list[object]:
+    """A long text's next segment: it starts from the last segment's closing text tokens and
+    frames (upstream's carry), with the text left over; returns its first work."""
+    c = schedule.config
+    carried_text = schedule.text_ids[-CARRY_TEXT_TOKENS:]
+    carried_frames = schedule.segment_frames[-CARRY_FRAMES:]
+    text = schedule.decode_tokens(carried_text)
+    schedule.after_break, schedule.cut_at_a_break = schedule.cut_at_a_break, False
+    schedule.left_to_speak = schedule.after_break and has_speakable_text(schedule.text_left)
+    schedule.carry_chars = len(text)
+    schedule.piece_log = []
+    schedule.gen_text = schedule.gen_text_raw = text + schedule.text_left
+    schedule.text_left, schedule.text_ids = "", list(carried_text)
+    schedule.pending_new_segment = schedule.in_tail = False
+    schedule.carried_segment, schedule.piece_in_segment = True, 0
+    schedule.chunk_index = len(carried_text) // c.streaming_text_chunk_size
+    schedule.segment_frames = [tuple(f) for f in carried_frames]
+    schedule.finished_segments[-1] = list(schedule.finished_segments[-1])
+    schedule.decoded_upto = len(schedule.segment_frames)
+    schedule.segment_started_fresh = True
+    schedule.cache_len = c.audio_bos_position + len(carried_frames)
+    schedule.phase = Phase.WAITING_TEXT
+    return carried_segment_work(c, schedule.stts_id, carried_text, carried_frames)
 

@@ -140,7 +140,7 @@ class StepLoop:
             self.endings.outbox.deliver()
             step_s = time.perf_counter() - started_s
             self.scheduler.count_step_time(step_s, time.thread_time() - cpu_started_s)
-            self.admission.first_chunk.observe(step_s)
+            self.admission.audio_cuts.observe(step_s)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""
@@ -241,8 +241,9 @@ class StepLoop:
 
     def _take_frames(self, streams: list[Stream], launched: HostCopy) -> tuple[list, list]:
         """The window's frames (waits for them); each schedule replays its stream's frames in
-        order (its call ends exactly where the device stopped). Returns the decode jobs and the
-        follow-up work (prefills of carried segments)."""
+        order (its call ends exactly where the device stopped); a stream whose listener runs
+        thin has its call's audio so far cut too (step/first_chunk.py). Returns the decode jobs
+        and the follow-up work (prefills of carried segments)."""
         window = launched.wait()
         made = window[:, :, -1].sum(dim=0).tolist()
         codes = window[:, :, :-1].permute(1, 0, 2).tolist()  # [B][steps][vq]
@@ -253,6 +254,10 @@ class StepLoop:
                 stream.tts_steps += 1
                 for item in stream.schedule.on_frame(frame):
                     (decode_jobs if isinstance(item, DecodeJob) else follow_up).append((stream, item))
+        cut = {id(stream) for stream, _ in decode_jobs}
+        for stream in self.admission.audio_cuts.running_thin(
+                [s for s in streams if id(s) not in cut], time.perf_counter()):
+            decode_jobs.extend((stream, job) for job in stream.schedule.cut_now())
         return decode_jobs, follow_up
 
     # ---- decoded audio out -----------------------------------------------------------------

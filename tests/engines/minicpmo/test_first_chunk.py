@@ -69,7 +69,7 @@ def test_first_chunk_frames_beyond_a_call_is_refused():
 def plan_at(step_ms: float, first_chunk_frames: int = 10) -> tuple[int, ...]:
     planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=first_chunk_frames))
     planner.observe(step_ms / 1000)
-    return planner.cuts()
+    return planner.cuts_at_admission()
 
 
 @pytest.mark.parametrize("step_ms, cuts", [
@@ -86,18 +86,18 @@ def test_a_loaded_engine_cuts_a_longer_first_chunk_and_more_pieces(step_ms, cuts
 def test_the_plan_follows_the_recent_step_time():
     planner = FirstChunkPlanner(EngineOptions(first_chunk_frames=10))
     planner.observe(0.009)
-    assert planner.cuts() == (10,)
+    assert planner.cuts_at_admission() == (10,)
     for _ in range(3):  # load arrives: slow steps count at once
         planner.observe(0.070)
-    assert planner.cuts()[0] == 15
+    assert planner.cuts_at_admission()[0] == 15
     for _ in range(40):  # steps take 70 ms
         planner.observe(0.070)
-    assert planner.cuts()[0] == 20
+    assert planner.cuts_at_admission()[0] == 20
     planner.observe(0.009)  # one fast step: the first chunk stays long
-    assert planner.cuts()[0] >= 15
+    assert planner.cuts_at_admission()[0] >= 15
     for _ in range(40):
         planner.observe(0.009)
-    assert planner.cuts() == (10,)
+    assert planner.cuts_at_admission() == (10,)
 
 
 def longest_wait_s(cuts: tuple[int, ...], step_s: float, late_s: float, frames: int = 300) -> float:
@@ -126,35 +126,34 @@ def test_the_planned_cuts_keep_a_player_fed_when_steps_are_slower_and_chunks_lat
 def test_without_a_shorter_first_chunk_every_call_is_one_piece():
     planner = FirstChunkPlanner(EngineOptions())
     planner.observe(0.001)
-    assert planner.cuts() == ()
+    assert planner.cuts_at_admission() == ()
 
 
-@pytest.mark.parametrize("case", ["stream_short", "stream_long"])
-def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_them(tiny_checkpoint,
-                                                                                 case):
-    """The real engine, planning its cuts for 60 ms steps: codes and length exactly upstream's,
-    the audio exactly upstream's away from each cut."""
-    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
-    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
-                            max_slots=4, max_chat_slots=2, tts_max_positions=1024,
-                            llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
-                            first_chunk_frames=10)
-    engine = MiniCPMOEngine(model, options)
-    planner = engine._loop.admission.first_chunk
-    expected = load_expected(case)
+def speak_golden_case(checkpoint, case: str, as_if_loaded, **options) -> tuple[list, object]:
+    """Run golden ``case`` through the real engine on the tiny checkpoint with a short first
+    chunk; ``as_if_loaded(cuts)`` sets the engine's audio cuts up first. Returns the chunks'
+    samples and the stream's schedule."""
+    model = load_speech_model(str(checkpoint), device="cpu", dtype=torch.float32)
+    engine = MiniCPMOEngine(model, EngineOptions(
+        model=str(checkpoint), device="cpu", dtype="float32", max_slots=4, max_chat_slots=2,
+        tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
+        first_chunk_frames=10, **options))
     try:
-        planner.step_s = 0.060  # as if loaded: the stream is admitted at the next step
+        as_if_loaded(engine._loop.admission.audio_cuts)
 
         async def run():
             (stream,) = engine.submit_plans([golden_plan(case, "cuts")])
             return [chunk.samples async for chunk in stream]
 
-        chunks = asyncio.run(run())
-        schedule = engine.trace("cuts")
+        return asyncio.run(run()), engine.trace("cuts")
     finally:
         engine.close()
+
+
+def assert_upstream_away_from_cuts(chunks: list, schedule, expected: dict) -> None:
+    """Codes and length exactly upstream's, the first chunk its cut's length, the audio
+    upstream's away from each cut and a crossfaded seam near one."""
     cuts = sorted(schedule.extra_cuts)
-    assert cuts == [15, 20, 30, 35, 55]
     assert np.array_equal(np.concatenate(golden_codes_by_call(schedule)), expected["codes"])
     assert len(chunks[0]) == cuts[0] * SAMPLES_PER_CODE_FRAME - OVERLAP_SAMPLES
     wav, want = np.concatenate(chunks), expected["wav"]
@@ -165,3 +164,16 @@ def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_the
                    (cut + CHANGED_AFTER_CUT) * SAMPLES_PER_CODE_FRAME] = True
     np.testing.assert_allclose(wav[~near_a_cut], want[~near_a_cut], rtol=1e-4, atol=1e-5)
     assert np.abs(wav[near_a_cut] - want[near_a_cut]).max() < 0.1 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("case", ["stream_short", "stream_long"])
+def test_cuts_planned_for_a_loaded_engine_change_no_code_and_only_audio_near_them(tiny_checkpoint,
+                                                                                 case):
+    """The real engine, planning its cuts for 60 ms steps: codes and length exactly upstream's,
+    the audio exactly upstream's away from each cut."""
+    def loaded(planner):
+        planner.step_s = 0.060  # as if loaded: the stream is admitted at the next step
+
+    chunks, schedule = speak_golden_case(tiny_checkpoint, case, loaded)
+    assert sorted(schedule.extra_cuts) == [15, 20, 30, 35, 55]
+    assert_upstream_away_from_cuts(chunks, schedule, load_expected(case))

@@ -318,10 +318,11 @@ class GraphModelRunner(ModelRunner):
         self.llm_graphs.capture_all()
         longest_piece = options.chunk_frames + CONTEXT_FRAMES
         common = {options.chunk_frames, longest_piece}
-        if options.first_chunk_lengths:  # first calls cut: their pieces
+        if options.first_chunk_lengths:  # cut calls: first chunks, pieces ending at steps' ends
             for first in options.first_chunk_lengths:
                 common |= {first, options.chunk_frames - first + CONTEXT_FRAMES}
-            common.add(options.steps_per_sync + CONTEXT_FRAMES)
+            common |= set(range(options.steps_per_sync + CONTEXT_FRAMES, longest_piece,
+                                options.steps_per_sync))
         decode_graphs = MultiLengthDecodeGraphs(
             model.decoder, sorted(common), longest_piece,
             min(options.max_slots, 64))

@@ -19,6 +19,7 @@ from ..scheduler import Stream
 from ..speech_schedule import SpeechSchedule
 from ..voices import prefix_length
 from .chat_text import ChatTextSteps
+from .audio_cuts import OnDemandCuts
 from .first_chunk import FirstChunkPlanner
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,9 @@ class Admission:
         self._spk_id = spk_id
         self._gen_prompt_ids = gen_prompt_ids
         self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
-        self.first_chunk = FirstChunkPlanner(options)  # the step loop tells it each step's time
+        # where streams' audio is cut; the step loop tells it each step's time
+        self.audio_cuts = (OnDemandCuts(options) if options.audio_cuts == "on_demand"
+                           else FirstChunkPlanner(options))
 
     def prompt_ids(self, stream: Stream) -> list[int]:
         """The LLM prompt a stream prefills (tokenized when it was submitted; a stream in a
@@ -93,7 +96,7 @@ class Admission:
             tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
             decode_tokens=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
             chunk_frames=self.options.chunk_frames,
-            extra_cuts=frozenset(self.first_chunk.cuts()),
+            extra_cuts=set(self.audio_cuts.cuts_at_admission()),
             max_segment_frames=self.options.max_segment_frames,
             max_positions=self.options.tts_max_positions,
             ignore_eos=lengths.ignore_eos or lengths.audio_frames is not None,

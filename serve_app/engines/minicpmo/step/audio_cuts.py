@@ -1,0 +1,95 @@
+"""Audio cut on demand (``audio_cuts: on_demand``): a short first chunk, then more cuts whenever
+a listener's buffer runs thin, decided with the clock at the end of each step's window; the
+default plans them at admission instead (:mod:`.first_chunk`).
+
+The engine makes w = ``steps_per_sync`` (5) frames a step for every stream (107 ms of audio; a
+step at load takes 40-100 ms on an H100), and a piece decided at the end of one step's window
+reaches the listener in the next step. Every piece holds back ``CONTEXT_FRAMES`` (4) for the
+crossfade, so a first chunk of F frames gives the listener (F - 4) x 21.3 ms.
+
+- the first chunk: the shortest length whose audio outlasts the slowest recent step (plus
+  :data:`GUARD_S`), since the second piece comes a step after the first;
+- after it, at the end of each step's window, a stream whose listener would run out of audio
+  before the piece after next could arrive (a slow step and :data:`STEP_ENDS_S` from now, plus
+  :data:`GUARD_S`) has its call's audio so far cut and sent, up to :data:`CUTS_PER_STEP` streams
+  a step; the others wait for their call's end (upstream's pieces).
+
+Where the planned cuts assume a step time at admission, these follow what the steps do after
+it: a load that slows the steps later brings cuts back for as long as needed. Measured on one
+H100 at 768 read streams with the fp8 cache, against the planned cuts on the same machine
+(docs/benchmarks/history/engine-h100-audio-cuts-ab-*): TTFB p50 / p99 203 / 365 ms against
+272 / 489, the same decode work a step, but 2.5 % of the streams ran dry by up to 19 ms with a
+guard of 20 ms. Off by default until it holds every stream.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+from ..model.codec import CONTEXT_FRAMES, SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from ..options import EngineOptions
+from ..scheduler import Stream
+
+FRAME_S = SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ  # audio of one code frame: 21.3 ms
+# How many recent steps the slowest is taken from (32 steps: 1.5-3 s at load)
+RECENT_STEPS = 32
+# Time the listener must still hold when the next audio is due (the spread of the moment in a
+# step at which its chunks leave; 20 ms left 2.5 % of 768 streams dry by up to 19 ms)
+GUARD_S = 0.040
+# Not cut now, a stream's next audio leaves with the piece after next: the rest of this step
+# (its decode queued), a whole step, and the next one's start (plan, launch, the decode awaited)
+# pass first. The steps' ends and starts: about 25 ms at 1024 read streams on an H100
+STEP_ENDS_S = 0.040
+# At most this many streams cut a step, the thinnest first: each piece costs decode and host
+# time, and cutting every thin stream on an engine that slows down slows it further (uncapped,
+# at 1024 read streams on an H100: decode_emit 19.6 ms a step, 7.6 ms with planned cuts on
+# another H100)
+CUTS_PER_STEP = 32
+
+
+def first_chunk_audio_s(frames: int) -> float:
+    """The audio a first chunk of ``frames`` code frames sends (the crossfade's frames held)."""
+    return (frames - CONTEXT_FRAMES) * FRAME_S
+
+
+class OnDemandCuts:
+    """Follows the engine's step times; picks each new stream's first chunk and the streams whose
+    audio is cut at the end of a step (the interface of :class:`.first_chunk.FirstChunkPlanner`)."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.lengths = options.first_chunk_lengths
+        self.follows_load = options.first_chunk_follows_load and bool(self.lengths)
+        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+
+    def observe(self, step_s: float) -> None:
+        """A step took ``step_s`` seconds."""
+        self.recent.append(step_s)
+
+    @property
+    def slow_step_s(self) -> float:
+        """The slowest of the recent steps (0 before the first)."""
+        return max(self.recent, default=0.0)
+
+    def cuts_at_admission(self) -> tuple[int, ...]:
+        """Where a stream admitted now has its first call's audio cut (empty: upstream's pieces,
+        one per call, as when steps are too slow for any shorter first chunk)."""
+        if not self.lengths:
+            return ()
+        if not self.follows_load:
+            return (self.lengths[0],)
+        for first in self.lengths:
+            if first_chunk_audio_s(first) >= self.slow_step_s + GUARD_S:
+                return (first,)
+        return ()
+
+    def running_thin(self, streams: Iterable[Stream], now: float) -> list[Stream]:
+        """Of ``streams``, those whose listener (:attr:`~.scheduler.Stream.played_out_at`)
+        would run out before the piece after next could come: their audio is cut now (the
+        :data:`CUTS_PER_STEP` thinnest)."""
+        if not self.follows_load:
+            return []
+        due = now + self.slow_step_s + STEP_ENDS_S + GUARD_S
+        thin = [(s.played_out_at, index, s) for index, s in enumerate(streams)
+                if s.played_out_at is not None and s.played_out_at < due]
+        return [s for _, _, s in sorted(thin)[:CUTS_PER_STEP]]
