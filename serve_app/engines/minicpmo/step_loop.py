@@ -242,7 +242,7 @@ class StepLoop:
     def _take_frames(self, streams: list[Stream], launched: HostCopy) -> tuple[list, list]:
         """The window's frames (waits for them); each schedule replays its stream's frames in
         order (its call ends exactly where the device stopped); a stream whose listener runs
-        thin has its call's audio so far cut too (step/first_chunk.py). Returns the decode jobs
+        thin has its call's audio so far cut too (step/audio_cuts.py). Returns the decode jobs
         and the follow-up work (prefills of carried segments)."""
         window = launched.wait()
         made = window[:, :, -1].sum(dim=0).tolist()
@@ -256,10 +256,12 @@ class StepLoop:
                 stream.tts_steps += 1
                 for item in stream.schedule.on_frame(frame):
                     (decode_jobs if isinstance(item, DecodeJob) else follow_up).append((stream, item))
-        cut = {id(stream) for stream, _ in decode_jobs}
-        for stream in self.admission.audio_cuts.running_thin(
-                [s for s in streams if id(s) not in cut], time.perf_counter()):
-            decode_jobs.extend((stream, job) for job in stream.schedule.cut_now())
+        cuts = self.admission.audio_cuts
+        if cuts.on_demand:  # of the streams without a piece this step, those running thin
+            cut = {id(stream) for stream, _ in decode_jobs}
+            for stream in cuts.running_thin([s for s in streams if id(s) not in cut],
+                                            time.perf_counter()):
+                decode_jobs.extend((stream, job) for job in stream.schedule.cut_now())
         return decode_jobs, follow_up
 
     # ---- decoded audio out -----------------------------------------------------------------

@@ -18,8 +18,8 @@ from ..options import EngineOptions
 from ..scheduler import Stream
 from ..speech_schedule import SpeechSchedule
 from ..voices import prefix_length
-from .chat_text import ChatTextSteps
 from .audio_cuts import OnDemandCuts
+from .chat_text import ChatTextSteps
 from .first_chunk import FirstChunkPlanner
 
 logger = logging.getLogger(__name__)

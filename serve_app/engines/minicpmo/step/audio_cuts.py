@@ -15,11 +15,13 @@ crossfade, so a first chunk of F frames gives the listener (F - 4) x 21.3 ms.
   a step; the others wait for their call's end (upstream's pieces).
 
 Where the planned cuts assume a step time at admission, these follow what the steps do after
-it: a load that slows the steps later brings cuts back for as long as needed. Measured on one
-H100 at 768 read streams with the fp8 cache, against the planned cuts on the same machine
-(docs/benchmarks/history/engine-h100-audio-cuts-ab-*): TTFB p50 / p99 203 / 365 ms against
-272 / 489, the same decode work a step, but 2.5 % of the streams ran dry by up to 19 ms with a
-guard of 20 ms. Off by default until it holds every stream.
+it: a load that slows the steps later brings cuts back for as long as needed. Measured on the
+engine alone at 768 read streams with the fp8 cache, each against the planned cuts on the same
+H100 (docs/benchmarks/history/engine-h100-audio-cuts-*): on a slower machine, with a 20 ms
+guard, TTFB p50 / p99 203 / 365 ms against 272 / 489 and the same decode work a step, but 2.5 %
+of the streams ran dry (by up to 19 ms); on a faster one, with the 40 ms guard, even with the
+planned cuts (200 / 337 against 207 / 336 ms), every stream real-time. Off by default until it
+holds every stream where the planned cuts do, served too.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from __future__ import annotations
 import collections
 from typing import Iterable
 
-from ..model.codec import CONTEXT_FRAMES, SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from ..model.codec import CONTEXT_FRAMES
 from ..options import EngineOptions
 from ..scheduler import Stream
-
-FRAME_S = SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ  # audio of one code frame: 21.3 ms
+from .first_chunk import FRAME_S
 # How many recent steps the slowest is taken from (32 steps: 1.5-3 s at load)
 RECENT_STEPS = 32
 # Time the listener must still hold when the next audio is due (the spread of the moment in a
@@ -39,7 +40,8 @@ RECENT_STEPS = 32
 GUARD_S = 0.040
 # Not cut now, a stream's next audio leaves with the piece after next: the rest of this step
 # (its decode queued), a whole step, and the next one's start (plan, launch, the decode awaited)
-# pass first. The steps' ends and starts: about 25 ms at 1024 read streams on an H100
+# pass first. The steps' ends and starts: about 25 ms at 1024 read streams on an H100, as
+# estimated from the phases' host times there (not timed on their own)
 STEP_ENDS_S = 0.040
 # At most this many streams cut a step, the thinnest first: each piece costs decode and host
 # time, and cutting every thin stream on an engine that slows down slows it further (uncapped,
@@ -56,6 +58,8 @@ def first_chunk_audio_s(frames: int) -> float:
 class OnDemandCuts:
     """Follows the engine's step times; picks each new stream's first chunk and the streams whose
     audio is cut at the end of a step (the interface of :class:`.first_chunk.FirstChunkPlanner`)."""
+
+    on_demand = True  # the step loop asks :meth:`running_thin` at each step's end
 
     def __init__(self, options: EngineOptions) -> None:
         self.lengths = options.first_chunk_lengths

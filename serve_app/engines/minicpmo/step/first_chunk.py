@@ -28,11 +28,8 @@ cuts with two steps of slack alone (2704484) held 640 (TTFB p99 337 ms) but left
 
 from __future__ import annotations
 
-from typing import Iterable
-
 from ..model.codec import CONTEXT_FRAMES, SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from ..options import EngineOptions
-from ..scheduler import Stream
 
 FRAME_S = SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ  # audio of one code frame: 21.3 ms
 # How many steps late any chunk may arrive without the listener running dry: a step with
@@ -84,6 +81,8 @@ def piece_cuts(first: int, step_s: float, chunk_frames: int, window: int,
 class FirstChunkPlanner:
     """Follows the engine's step time and plans each new stream's cuts (:func:`piece_cuts`)."""
 
+    on_demand = False  # no cuts besides the plan (see :mod:`.audio_cuts`)
+
     def __init__(self, options: EngineOptions) -> None:
         self.chunk_frames = options.chunk_frames
         self.window = options.steps_per_sync
@@ -99,10 +98,6 @@ class FirstChunkPlanner:
             return
         weight = STEP_TIME_WEIGHT_UP if step_s > previous else STEP_TIME_WEIGHT_DOWN
         self.step_s = previous + weight * (step_s - previous)
-
-    def running_thin(self, streams: Iterable[Stream], now: float) -> list[Stream]:
-        """Streams whose audio is cut now besides the plan: none (see :mod:`.audio_cuts`)."""
-        return []
 
     def cuts_at_admission(self) -> tuple[int, ...]:
         """Where a stream admitted now has its audio cut inside its generate calls (empty:
