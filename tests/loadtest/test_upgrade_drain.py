@@ -20,7 +20,12 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_rollout_drops_no_stream_and_fails_no_request(tmp_path: Path) -> None:
     done, report, leftovers = run_fleet_script(
-        "upgrade_drain", tmp_path / "upgrade.json", [], timeout_s=840)
+        # Streams of two minutes of speech (not three), and the deploy 2 s after each has its
+        # first audio (not 10): the first replica Serve stops still holds streams (the report's
+        # streams_in_flight_when_their_replica_stopped), and the rollout, which waits out its
+        # drain, ends about a minute sooner.
+        "upgrade_drain", tmp_path / "upgrade.json",
+        ["--long-repeats", "2", "--before-deploy-s", "2"], timeout_s=840)
     assert done.returncode == 0, (report.get("error"), done.stdout[-3000:])
     assert leftovers == [], "the run left Ray processes behind"
     assert report["streams_in_flight_at_upgrade"] >= 1
