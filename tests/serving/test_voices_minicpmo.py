@@ -126,8 +126,13 @@ def apps(server: Server, voice_checkpoint: Path, tmp_path_factory) -> VoicesApps
     sf.write(clip_path, samples, rate, subtype="PCM_16")
     yield VoicesApps(base=base, store=store, clip=clip_path.read_bytes(), clip_path=clip_path,
                      checkpoint=voice_checkpoint)
+    # Both deleted at once (their replicas drain side by side), then until both are gone.
     for app in APPS:
-        serve.delete(f"voices-{app}")
+        serve.delete(f"voices-{app}", _blocking=False)
+    deadline = time.monotonic() + 180
+    while any(f"voices-{app}" in serve.status().applications for app in APPS):
+        assert time.monotonic() < deadline, "the voices apps were never deleted"
+        time.sleep(0.5)
 
 
 @dataclass
