@@ -99,6 +99,11 @@ class Tally:
         with self.lock:
             self.counts[key] += n
 
+    def awaiting_recovery(self) -> bool:
+        """A crash was sent and no request started after it has completed yet."""
+        with self.lock:
+            return self.crash_sent_at_s is not None and self.recovered_at_s is None
+
     def status(self, code: int) -> None:
         with self.lock:
             self.statuses[str(code)] += 1
@@ -216,12 +221,19 @@ def one_bad(client: httpx.Client, tally: Tally, rng: random.Random) -> None:
         tally.add("non_json_errors")
 
 
+def load_goes_on(deadline_s: float, tally: Tally) -> bool:
+    """Until ``deadline_s``; past it, while the service has not recovered from the crash sent
+    (at most :data:`READ_TIMEOUT_S` more), so a short run still sees the recovery."""
+    now = time.monotonic()
+    return now < deadline_s or (now < deadline_s + READ_TIMEOUT_S and tally.awaiting_recovery())
+
+
 def worker(base_url: str, deadline_s: float, tally: Tally, seed: int) -> None:
     rng = random.Random(seed)
     timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
     with httpx.Client(base_url=base_url, timeout=timeout,
                       headers={"authorization": f"Bearer {API_KEY}"}) as client:
-        while time.monotonic() < deadline_s:
+        while load_goes_on(deadline_s, tally):
             roll = rng.random()
             try:
                 if roll < 0.55:
@@ -257,7 +269,7 @@ def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
 
 
 def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: float | None,
-             seed: int = 1) -> dict[str, Any]:
+             seed: int = 1, memory_every_s: float = 30.0) -> dict[str, Any]:
     """Drive the app at ``base_url`` (already deployed as ``APP``) and return the report."""
     memory_start = replica_memory_mb()
     pids_before = synthesizer_pids()
@@ -267,11 +279,12 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
                for i in range(concurrency)]
     if crash_at_s is not None:
         threads.append(threading.Thread(target=crasher, args=(base_url, crash_at_s, tally)))
-    threads.append(threading.Thread(target=sample_memory, args=(deadline_s, tally)))
+    threads.append(threading.Thread(target=sample_memory, args=(deadline_s, tally,
+                                                                memory_every_s)))
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(duration_s + READ_TIMEOUT_S + 60)
+        thread.join(duration_s + 2 * READ_TIMEOUT_S + 60)
     still_running = sum(thread.is_alive() for thread in threads)
     elapsed_s = tally.now()
     memory_end = replica_memory_mb()
@@ -322,11 +335,15 @@ def service_engine(config_path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--duration-s", type=float, default=600.0,
+                        help="the load runs this long, and on until a request started after "
+                             "the crash has completed (at most 90 s more)")
     parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--crash-at-s", type=float, default=None,
                         help="when to crash the synthesizer (default: a third of the way in)")
     parser.add_argument("--no-crash", action="store_true")
+    parser.add_argument("--memory-every-s", type=float, default=30.0,
+                        help="sample the replicas' resident memory this often")
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.cpu.yaml")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "soak-cpu.json")
@@ -339,7 +356,8 @@ def main() -> None:
     try:
         crash_at_s = None if options.no_crash else (
             options.crash_at_s if options.crash_at_s is not None else options.duration_s / 3)
-        report = run_load(base_url, options.duration_s, options.concurrency, crash_at_s)
+        report = run_load(base_url, options.duration_s, options.concurrency, crash_at_s,
+                          memory_every_s=options.memory_every_s)
         report["profile"] = f"{options.config.name} (engine: {service_engine(options.config)})"
         report["config"] = str(options.config.relative_to(ROOT)
                                if options.config.is_relative_to(ROOT) else options.config)

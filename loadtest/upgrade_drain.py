@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,8 +65,11 @@ from loadtest.stream_clients import KINDS, StreamOutcome, count_outcomes, monoto
 
 # About three minutes of speech, tens of seconds to make: the streams outlast the rollout's
 # first steps, so a replica being replaced still holds some (one paragraph's worth ended before
-# Serve stopped its replica on a quiet machine).
-LONG_TEXT = " ".join(LONG * 3)
+# Serve stopped its replica on a quiet machine). --long-repeats says how many times LONG.
+LONG_REPEATS = 3
+# Serve's controller's line for each replica it stops (the rollout's), with its local time.
+STOPPING = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) controller \d+ -- "
+                      r"Stopping Replica\(id='(\w+)', deployment='Synthesizer'", re.M)
 SERVE = str(Path(RAY).parent / "serve")
 OLD_CPUS, NEW_CPUS = 0.5, 0.4
 
@@ -81,14 +85,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a new request over each kind starts this often (the replica "
                              "left serving must carry them below its max_ongoing_requests: "
                              "docs/benchmarks/README.md, 'A node lost')")
+    parser.add_argument("--before-deploy-s", type=float, default=None,
+                        help="once every long stream has audio, new requests run this long on "
+                             "the old version before the deploy (default: --interval-s)")
+    parser.add_argument("--deploy-in-process", action="store_true",
+                        help="submit the changed config as `serve deploy` does (its schema "
+                             "check and REST call) from this process instead of the command")
+    parser.add_argument("--long-repeats", type=int, default=LONG_REPEATS,
+                        help="a long stream's text is the corpus' long paragraphs this many "
+                             "times over (3: about three minutes of speech)")
     parser.add_argument("--rollout-timeout-s", type=float, default=420.0)
     return parser.parse_args(argv)
 
 
-def serve_deploy(config: dict[str, Any], dashboard_url: str, work: Path, name: str) -> str:
-    """``serve deploy`` of ``config`` (a YAML file in ``work``) through the dashboard; its output."""
+def serve_deploy(config: dict[str, Any], dashboard_url: str, work: Path, name: str,
+                 in_process: bool = False) -> str:
+    """``serve deploy`` of ``config`` (a YAML file in ``work``) through the dashboard; its output.
+    ``in_process``: what the command does with the file (the schema check, then the one REST
+    call to the dashboard), from this process, without starting the command's own Python
+    first, which took 6-23 s on a busy two-core machine while the streams ran."""
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+    if in_process:
+        from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+        from ray.serve.schema import ServeDeploySchema
+
+        schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+        ServeSubmissionClient(dashboard_url).deploy_applications(
+            schema.model_dump(exclude_unset=True))
+        return f"{name}: deploy request sent from the driver"
     done = subprocess.run([SERVE, "deploy", "--address", dashboard_url, str(path)],
                           capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
@@ -108,10 +133,11 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
                 dashboard_url: str, config: dict[str, Any], work: Path,
                 record: dict[str, Any]) -> None:
     clock = monotonic_clock()
+    record["t0_epoch"] = time.time() - clock()
     old_replicas = set(synthesizer_replica_nodes())
     record["old_replicas"] = sorted(old_replicas)
     watched: dict[str, StreamOutcome] = {}
-    long_streams = [asyncio.create_task(one_stream(kind, base_url, LONG_TEXT, clock,
+    long_streams = [asyncio.create_task(one_stream(kind, base_url, long_text(args), clock,
                                                    args.give_up_s, watched))
                     for _ in range(args.streams_per_kind) for kind in KINDS]
     new_requests: list[asyncio.Task] = []
@@ -145,11 +171,12 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
                     for stream in watched.values())):
         await asyncio.sleep(0.5)
     requester = asyncio.create_task(keep_requesting())
-    await asyncio.sleep(args.interval_s)  # new requests on the old version first
+    # New requests on the old version first.
+    await asyncio.sleep(args.interval_s if args.before_deploy_s is None else args.before_deploy_s)
     record["deploy_t_s"] = clock()
     record["in_flight_at_deploy"] = sum(not t.done() for t in long_streams)
     record["deploy_output"] = await asyncio.to_thread(
-        serve_deploy, new_config(config), dashboard_url, work, "new")
+        serve_deploy, new_config(config), dashboard_url, work, "new", args.deploy_in_process)
     record["deploy_returned_t_s"] = clock()
 
     def rolled_out() -> bool:
@@ -170,6 +197,21 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     record["new_requests"] = list(await asyncio.gather(*new_requests))
     record["replica_states"] = states
     record["placed"] = stream_replicas(cluster.logs_dir)
+    record["stopped_at"] = replicas_stopped_at(cluster.logs_dir)
+
+
+def long_text(args: argparse.Namespace) -> str:
+    return " ".join(LONG * args.long_repeats)
+
+
+def replicas_stopped_at(logs_dir: Path) -> dict[str, float]:
+    """Synthesizer replica id -> when Serve's controller began stopping it (epoch seconds)."""
+    stopped = {}
+    for path in (logs_dir / "serve").glob("controller_*.log"):
+        for match in STOPPING.finditer(path.read_text(errors="replace")):
+            at = time.mktime(time.strptime(match[1], "%Y-%m-%d %H:%M:%S")) + int(match[2]) / 1000
+            stopped.setdefault(match[3], at)
+    return stopped
 
 
 def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]:
@@ -187,6 +229,10 @@ def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]
                  and r["first_audio_s"] < deploy_t and (r["end_s"] or 1e9) > deploy_t]
     dropped = [r for r in in_flight if r["outcome"] != "finished"
                or r["audio_s"] < 0.95 * expected_audio_s]
+    # In flight when Serve began stopping their replica: the ones its drain had to finish.
+    stopped_at = record["stopped_at"]
+    drained = [r for r in in_flight if r["replica"] in stopped_at and r["end_s"] is not None
+               and record["t0_epoch"] + r["end_s"] > stopped_at[r["replica"]]]
     new_rows = [row(s) for s in record["new_requests"]]
     failed = [r for r in new_rows if r["outcome"] != "finished"]
     first_new = min((r["first_audio_s"] for r in new_rows + long_rows
@@ -195,6 +241,7 @@ def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]
               and (record["rollout_over_t_s"] is None or r["start_s"] <= record["rollout_over_t_s"])]
     return {
         "streams_in_flight_at_upgrade": len(in_flight),
+        "streams_in_flight_when_their_replica_stopped": len(drained),
         "dropped_streams": len(dropped),
         "failed_requests": len(failed),
         "new_version_serving_s": round(first_new - deploy_t, 1) if first_new else None,
@@ -235,10 +282,10 @@ def passed(result: dict[str, Any]) -> bool:
             and result["rollout_s"] is not None)
 
 
-def long_audio_s(base_url: str) -> float:
+def long_audio_s(base_url: str, text: str) -> float:
     received = 0
     with httpx.stream("POST", f"{base_url}/v1/speech/stream", timeout=600,
-                      json={"text": LONG_TEXT, "format": "pcm"}) as reply:
+                      json={"text": text, "format": "pcm"}) as reply:
         reply.raise_for_status()
         for piece in reply.iter_raw():
             received += len(piece)
@@ -258,7 +305,7 @@ def run(args: argparse.Namespace, cluster: AutoscalingLocalCluster, work: Path
         deployment_config(config, SYNTHESIZER)["ray_actor_options"]["num_cpus"] = OLD_CPUS
         serve_deploy(config, dashboard_url, work, "old")
         wait_for_two_replicas(base_url)
-        expected_audio_s = long_audio_s(base_url)
+        expected_audio_s = long_audio_s(base_url, long_text(args))
         record: dict[str, Any] = {}
         asyncio.run(drive(args, cluster, base_url, dashboard_url, config, work, record))
         result = summarize(record, expected_audio_s)

@@ -39,7 +39,7 @@ def test_autoscaler_adds_and_removes_a_gpu_like_node_without_failed_streams(tmp_
     done, report, leftovers = run_fleet_script(
         "autoscaler_nodes", tmp_path / "autoscaler-nodes.json",
         ["--peak-streams", "12", "--ramp-up-s", "5", "--hold-s", "15", "--ramp-down-s", "2",
-         "--low-s", "10", "--downscale-delay-s", "5", "--idle-timeout-s", "10",
+         "--low-s", "10", "--downscale-delay-s", "5", "--idle-timeout-s", "5",
          "--settle-timeout-s", "240"], timeout_s=840)
     assert done.returncode == 0, (report.get("error"), done.stdout[-3000:])
     assert leftovers == [], "the run left Ray processes behind"

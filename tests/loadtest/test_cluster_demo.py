@@ -31,7 +31,9 @@ def test_synthesizer_scales_1_to_2_to_1_across_nodes_without_failures(tmp_path: 
     try:
         result = subprocess.run(
             [str(ROOT / "scripts" / "cluster_demo"), "--out", str(timeline),
-             "--logs", str(tmp_path / "logs")],
+             "--logs", str(tmp_path / "logs"),
+             # two replicas running is the event; the heavy load need not hold them 8 s more
+             "--hold-s", "2"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=540, check=False)
     finally:
         leftovers = end_marked_processes(MARKER_ENV, marker)

@@ -1,4 +1,4 @@
-"""CI smoke: scripts/loadtest for 20 s against the CPU profile served by `serve run`.
+"""CI smoke: scripts/loadtest for 10 s against the CPU profile served by `serve run`.
 
 The service is `serve run serve_config.cpu.yaml` (on a free port, its own local Ray) in a
 subprocess, as scripts/serve runs it; every process it started is ended afterwards.
@@ -73,15 +73,15 @@ def cpu_service(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_loadtest_20s_on_the_cpu_profile_has_throughput_and_no_failures(
+def test_loadtest_10s_on_the_cpu_profile_has_throughput_and_no_failures(
         cpu_service: str, tmp_path: Path) -> None:
     result = subprocess.run(
-        [str(ROOT / "scripts" / "loadtest"), "--host", cpu_service, "--duration", "20",
+        [str(ROOT / "scripts" / "loadtest"), "--host", cpu_service, "--duration", "10",
          "--users", "4", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
         timeout=240, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["load_s"] == 20 and summary["users"] == 4
+    assert summary["load_s"] == 10 and summary["users"] == 4
     assert summary["successes"] > 0
     assert summary["requests_per_s"] > 0 and summary["audio_seconds_per_s"] > 0
     assert summary["failures"] == 0 and summary["error_rate"] == 0.0

@@ -27,8 +27,10 @@ from tests.serving.test_metrics import Samples, scrape, settled
 
 pytestmark = pytest.mark.slow
 
-LONG_TEXT = " ".join(f"This is sentence number {n} of a text the client never hears out."
-                     for n in range(1, 13))
+# A short first sentence: the engine makes a stream's first piece (the hang-up's first byte) in
+# one step, whose time grows with the piece; twelve long sentences after it are never heard.
+LONG_TEXT = "Hello. " + " ".join(
+    f"This is sentence number {n} of a text the client never hears out." for n in range(1, 13))
 HANGUPS = 40
 SOCKET_CANCELS = 10
 UNRETRIEVED = "Task exception was never retrieved"

@@ -59,7 +59,8 @@ def voices_app_args(store: Path, checkpoint: Path, max_engine_voices: int):
     return options, api
 
 
-def deploy(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voices: int) -> None:
+def voices_app(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voices: int):
+    """One of the two apps, to deploy (a ``serve.RunTarget``)."""
     from ray import serve
 
     from serve_app.config import BatchingConfig
@@ -73,7 +74,7 @@ def deploy(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voi
         user_config=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05).model_dump(),
     ).bind("minicpmo", options, voice_store=api.voice_store)
     ingress = Ingress.options(ray_actor_options=small).bind(synthesizer, api.model_dump())
-    serve.run(ingress, name=name, route_prefix=prefix)
+    return serve.RunTarget(ingress, name=name, route_prefix=prefix)
 
 
 @dataclass
@@ -108,8 +109,10 @@ def apps(server: Server, voice_checkpoint: Path, tmp_path_factory) -> VoicesApps
     from ray import serve
 
     store = tmp_path_factory.mktemp("shared-voices")
-    deploy("voices-a", APPS["a"], store, voice_checkpoint, max_engine_voices=8)
-    deploy("voices-b", APPS["b"], store, voice_checkpoint, max_engine_voices=1)
+    # Both at once: their replicas load the checkpoint side by side, not one app after the other.
+    serve.run_many([
+        voices_app("voices-a", APPS["a"], store, voice_checkpoint, max_engine_voices=8),
+        voices_app("voices-b", APPS["b"], store, voice_checkpoint, max_engine_voices=1)])
     base = {app: f"{server.base_url}{prefix}" for app, prefix in APPS.items()}
     for app, url in base.items():
         wait_ready(url, f"voices app {app}")
@@ -123,8 +126,13 @@ def apps(server: Server, voice_checkpoint: Path, tmp_path_factory) -> VoicesApps
     sf.write(clip_path, samples, rate, subtype="PCM_16")
     yield VoicesApps(base=base, store=store, clip=clip_path.read_bytes(), clip_path=clip_path,
                      checkpoint=voice_checkpoint)
+    # Both deleted at once (their replicas drain side by side), then until both are gone.
     for app in APPS:
-        serve.delete(f"voices-{app}")
+        serve.delete(f"voices-{app}", _blocking=False)
+    deadline = time.monotonic() + 180
+    while any(f"voices-{app}" in serve.status().applications for app in APPS):
+        assert time.monotonic() < deadline, "the voices apps were never deleted"
+        time.sleep(0.5)
 
 
 @dataclass
