@@ -104,6 +104,12 @@ class MiniCPMOEngine(SubmitsIterators):
     times_words = True  # when each word's text reaches the TTS (word_times.py: how rough)
 
     def __init__(self, model: LoadedModel, options: EngineOptions) -> None:
+        room = model.config.tts.condition_length + options.chunk_frames
+        if options.tts_max_positions < room:  # else any long text fails a whole step later
+            raise ValueError(
+                f"tts_max_positions ({options.tts_max_positions}) must hold the TTS text "
+                f"condition ({model.config.tts.condition_length} positions) and one generate "
+                f"call ({options.chunk_frames} frames): at least {room}")
         self.options = options
         self.model = model
         tok = model.tokenizer

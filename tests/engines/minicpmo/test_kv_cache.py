@@ -140,3 +140,12 @@ def test_the_drift_benchmark_runs_on_the_tiny_checkpoint(tmp_path):
     assert tiny["floor_teacher_forced"]["top1_agreement"] == 1.0
     assert tiny["floor_teacher_forced"]["kl_nats_sampling_temperature"]["max"] == 0.0
     assert 0 <= tiny["free_running_greedy"]["first_different_frame"]["p50"] <= 12
+
+
+def test_a_tts_cache_too_short_for_the_text_condition_is_refused_at_start(tiny_checkpoint):
+    """A slot of fewer positions than the TTS's text condition and one call would fail the
+    whole step that reaches past it (every stream in it); the engine refuses to start instead."""
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"tts_max_positions \(256\) must hold"):
+        MiniCPMOEngine(model, EngineOptions(model=str(tiny_checkpoint), device="cpu",
+                                            dtype="float32", tts_max_positions=256))
