@@ -233,10 +233,14 @@ def worker(base_url: str, deadline_s: float, tally: Tally, seed: int) -> None:
     timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
     with httpx.Client(base_url=base_url, timeout=timeout,
                       headers={"authorization": f"Bearer {API_KEY}"}) as client:
+        first = True  # each worker hangs up on its first stream: a short run has some too
         while load_goes_on(deadline_s, tally):
             roll = rng.random()
             try:
-                if roll < 0.55:
+                if first:
+                    first = False
+                    one_speech(client, tally, rng, disconnect=True)
+                elif roll < 0.55:
                     one_speech(client, tally, rng, disconnect=False)
                 elif roll < 0.70:
                     one_speech(client, tally, rng, disconnect=True)
