@@ -16,12 +16,8 @@ from serve_app.engines.minicpmo import output
 from serve_app.engines.minicpmo.engine import EngineOptions
 from serve_app.engines.minicpmo.model.codec import SAMPLE_RATE_HZ
 from serve_app.engines.minicpmo.scheduler import Stream, StreamPlan
-from serve_app.engines.minicpmo.step.audio_cuts import (
-    CUTS_PER_STEP,
-    FRAME_S,
-    RECENT_STEPS,
-    OnDemandCuts,
-)
+from serve_app.engines.minicpmo.step.audio_cuts import CUTS_PER_STEP, RECENT_STEPS, OnDemandCuts
+from serve_app.engines.minicpmo.step.first_chunk import FRAME_S
 from tests.engines.minicpmo.test_first_chunk import (
     assert_upstream_away_from_cuts,
     speak_golden_case,

@@ -29,10 +29,9 @@ from __future__ import annotations
 import collections
 from typing import Iterable
 
-from ..model.codec import CONTEXT_FRAMES
 from ..options import EngineOptions
 from ..scheduler import Stream
-from .first_chunk import FRAME_S
+from .first_chunk import audio_sent_s
 # How many recent steps the slowest is taken from (32 steps: 1.5-3 s at load)
 RECENT_STEPS = 32
 # Time the listener must still hold when the next audio is due (the spread of the moment in a
@@ -48,11 +47,6 @@ STEP_ENDS_S = 0.040
 # at 1024 read streams on an H100: decode_emit 19.6 ms a step, 7.6 ms with planned cuts on
 # another H100)
 CUTS_PER_STEP = 32
-
-
-def first_chunk_audio_s(frames: int) -> float:
-    """The audio a first chunk of ``frames`` code frames sends (the crossfade's frames held)."""
-    return (frames - CONTEXT_FRAMES) * FRAME_S
 
 
 class OnDemandCuts:
@@ -83,7 +77,7 @@ class OnDemandCuts:
         if not self.follows_load:
             return (self.lengths[0],)
         for first in self.lengths:
-            if first_chunk_audio_s(first) >= self.slow_step_s + GUARD_S:
+            if audio_sent_s(first) >= self.slow_step_s + GUARD_S:
                 return (first,)
         return ()
 

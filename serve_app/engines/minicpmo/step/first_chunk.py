@@ -48,6 +48,12 @@ STEP_TIME_WEIGHT_UP = 0.3
 STEP_TIME_WEIGHT_DOWN = 0.1
 
 
+def audio_sent_s(frame: int) -> float:
+    """The audio a listener holds once the piece ending at ``frame`` of a call has come: every
+    piece holds back CONTEXT_FRAMES for the crossfade with the next."""
+    return (frame - CONTEXT_FRAMES) * FRAME_S
+
+
 def piece_cuts(first: int, step_s: float, chunk_frames: int, window: int,
                slack_steps: float = SLACK_STEPS) -> tuple[int, ...] | None:
     """The frames (counted from the stream's start) at which its audio is cut inside a generate
@@ -59,19 +65,16 @@ def piece_cuts(first: int, step_s: float, chunk_frames: int, window: int,
     def arrives(frame: int) -> float:  # the piece ending at ``frame``, after the first chunk
         return ((frame - first) / window * STEP_TIME_MARGIN + slack_steps) * step_s
 
-    def held(frame: int) -> float:  # audio sent once the piece ending at ``frame`` has arrived
-        return (frame - CONTEXT_FRAMES) * FRAME_S
-
     cuts, last = [first], first
     while last <= MAX_CUT_FRAMES:
-        if last % chunk_frames == 0 and arrives(last + chunk_frames) <= held(last):
+        if last % chunk_frames == 0 and arrives(last + chunk_frames) <= audio_sent_s(last):
             return tuple(cut for cut in cuts if cut % chunk_frames)  # whole calls from here
         call_end = (last // chunk_frames + 1) * chunk_frames
-        if arrives(call_end) <= held(last):
+        if arrives(call_end) <= audio_sent_s(last):
             last = call_end  # the rest of this call in one piece
             continue
         step_end = min((last // window + 1) * window, call_end)
-        if arrives(step_end) > held(last):
+        if arrives(step_end) > audio_sent_s(last):
             return None
         cuts.append(step_end)
         last = step_end
