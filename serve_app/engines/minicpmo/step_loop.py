@@ -252,10 +252,11 @@ class StepLoop:
         decode_jobs: list[tuple[Stream, DecodeJob]] = []
         follow_up: list[tuple[Stream, object]] = []
         for stream, count, frames in zip(streams, made, codes):
-            for frame in frames[:count]:
-                stream.tts_steps += 1
-                for item in stream.schedule.on_frame(frame):
-                    (decode_jobs if isinstance(item, DecodeJob) else follow_up).append((stream, item))
+            if not count:
+                continue
+            stream.tts_steps += count
+            for item in stream.schedule.on_frames(frames[:count]):
+                (decode_jobs if isinstance(item, DecodeJob) else follow_up).append((stream, item))
         cuts = self.admission.audio_cuts
         if cuts.on_demand:  # of the streams without a piece this step, those running thin
             cut = {id(stream) for stream, _ in decode_jobs}

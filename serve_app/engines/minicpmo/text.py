@@ -251,6 +251,46 @@ class TextFeed:
         return pieces
 
 
+class GrowingTextTokenizer:
+    """Tokenizes a text that grows at its end, as a speech schedule's text does piece by piece,
+    by encoding only what came after the last word boundary it has already encoded.
+
+    A schedule tokenizes its whole text again after every piece (upstream's rule: the ids of
+    the text so far). With BERT's normalizer and pre-tokenizer (the ChatTTS tokenizer's), no
+    token spans a space, so the ids of ``a + " " + b`` are the ids of ``a`` and then those of
+    ``" " + b``: the ids up to the last space that follows a non-space character are kept, and
+    only the text after it is encoded (:func:`splits_at_spaces` says which tokenizers qualify).
+    A text that does not extend the one before is encoded whole. At 1024 read streams on an H100
+    the whole-text encodes took about a tenth of the engine's step (one read text: 23 encodes of
+    up to 150 characters, ~70 us each), on the step thread.
+    """
+
+    def __init__(self, encode: Callable[[str], list[int]]) -> None:
+        self._encode = encode
+        self._head = ""  # the text up to a word boundary, encoded
+        self._head_ids: list[int] = []
+
+    def __call__(self, text: str) -> list[int]:
+        if not text.startswith(self._head):
+            self._head, self._head_ids = "", []
+        cut = _last_word_boundary(text)
+        if cut > len(self._head):
+            self._head_ids = self._head_ids + self._encode(text[len(self._head):cut])
+            self._head = text[:cut]
+        return self._head_ids + self._encode(text[len(self._head):])
+
+
+def splits_at_spaces(backend: object) -> bool:
+    """Whether a ``tokenizers`` tokenizer never makes a token across a space, so that
+    :class:`GrowingTextTokenizer` gives its ids exactly: BERT's normalizer (per character) and
+    pre-tokenizer (words split at whitespace and punctuation), with WordPiece."""
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    return (isinstance(getattr(backend, "normalizer", None), normalizers.BertNormalizer)
+            and isinstance(getattr(backend, "pre_tokenizer", None), pre_tokenizers.BertPreTokenizer)
+            and isinstance(getattr(backend, "model", None), models.WordPiece))
+
+
 def _last_word_boundary(text: str) -> int:
     """Index of the last space that follows a non-space character (0 if none)."""
     for index in range(len(text) - 1, 0, -1):

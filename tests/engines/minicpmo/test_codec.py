@@ -169,3 +169,20 @@ def test_streamed_decode_and_join_match_upstream_waveform(speech_decoder: Speech
         outputs.append(joiner.push(wav))
     outputs.append(joiner.finish())
     np.testing.assert_allclose(np.concatenate(outputs), expected["wav"], rtol=1e-4, atol=1e-5)
+
+
+def test_queued_decode_gives_each_piece_its_own_audio_whatever_the_lengths_around_it(
+        speech_decoder: SpeechDecoder) -> None:
+    """A step's pieces are decoded one batch per length (device.decode_graphs.queue_decode):
+    each piece, in the step's order, gets the audio it gets decoded alone."""
+    from serve_app.engines.minicpmo.device.decode_graphs import queue_decode
+
+    generator = torch.Generator().manual_seed(7)
+    lengths = [29, 7, 29, 3, 7, 25, 29]
+    pieces = [torch.randint(0, 625, (n, 4), generator=generator) for n in lengths]
+    frames = [[tuple(row) for row in piece.tolist()] for piece in pieces]  # as schedules hold them
+    audio = queue_decode(speech_decoder, frames).wait()
+    assert [len(a) for a in audio] == [n * 512 for n in lengths]
+    for piece, got in zip(pieces, audio):
+        alone = speech_decoder.decode([piece])[0].float().numpy()
+        np.testing.assert_allclose(got, alone, rtol=1e-5, atol=1e-6)

@@ -40,19 +40,20 @@ class DecodeGraphs:
         self.graphs = capture_per_bucket(self.buckets, self._forward, pool=pool)
         return self.graphs[self.buckets[0]][0].pool()
 
-    def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Like :meth:`SpeechDecoder.decode` for pieces of ``frames`` frames: a graph replay per
-        group of up to the largest bucket."""
-        results: list[torch.Tensor] = []
+    def decode_batch(self, codes: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`SpeechDecoder.decode_batch` for pieces of ``frames`` frames, ``codes``
+        [B, frames, 4]: a graph replay per group of up to the largest bucket."""
+        parts: list[torch.Tensor] = []
         largest = self.buckets[-1]
-        for start in range(0, len(codes_list), largest):
-            group = codes_list[start:start + largest]
-            bucket = next(b for b in self.buckets if b >= len(group))
-            self.codes[:len(group)] = to_device(torch.stack(list(group)), self.codes.device)
+        for start in range(0, codes.shape[0], largest):
+            group = codes[start:start + largest]
+            count = group.shape[0]
+            bucket = next(b for b in self.buckets if b >= count)
+            self.codes[:count] = to_device(group, self.codes.device)
             graph, out = self.graphs[bucket]
             graph.replay()
-            results.extend(out[:len(group)].clone())  # the next replay reuses the output buffer
-        return results
+            parts.append(out[:count].clone())  # the next replay reuses the output buffer
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class MultiLengthDecodeGraphs:
@@ -78,35 +79,46 @@ class MultiLengthDecodeGraphs:
         """Pieces of ``frames`` frames replay a graph (others decode eagerly)."""
         return frames in self.by_length
 
-    def decode(self, codes_list: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        results: list[torch.Tensor | None] = [None] * len(codes_list)
-        groups: dict[int, list[int]] = {}
-        for index, codes in enumerate(codes_list):
-            frames = codes.shape[0]
-            groups.setdefault(frames if self.captured(frames) else -1, []).append(index)
-        for length, indices in groups.items():
-            decode = self.decoder.decode if length == -1 else self.by_length[length].decode
-            for index, wave in zip(indices, decode([codes_list[i] for i in indices])):
-                results[index] = wave
-        return results  # type: ignore[return-value]
+    def decode_batch(self, codes: torch.Tensor) -> torch.Tensor:
+        """:meth:`SpeechDecoder.decode_batch`, by a graph where one has ``codes``' length."""
+        frames = codes.shape[1]
+        if self.captured(frames):
+            return self.by_length[frames].decode_batch(codes)
+        return self.decoder.decode_batch(codes)
 
 
 def queue_decode(decoder: SpeechDecoder | MultiLengthDecodeGraphs,
-                 frames: Sequence[list[list[int]]]) -> DecodedAudio:
-    """Queue DVAE + Vocos for each piece's code frames (one device-to-host copy of all the
-    audio); :meth:`DecodedAudio.wait` gives each piece as float32 audio."""
-    waves = decoder.decode([torch.tensor(f, dtype=torch.long) for f in frames])
-    offsets = np.cumsum([0] + [len(w) for w in waves])
-    return DecodedAudio(HostCopy(torch.cat([w.float() for w in waves])), offsets)
+                 frames: Sequence[Sequence[Sequence[int]]]) -> DecodedAudio:
+    """Queue DVAE + Vocos for each piece's code frames, the pieces of one length as one batch
+    (one tensor of codes in, one of audio out: a step's ~200 pieces cost a few host calls, not a
+    few per piece), and one device-to-host copy of all the audio; :meth:`DecodedAudio.wait` gives
+    each piece as float32 audio."""
+    by_length: dict[int, list[int]] = {}
+    for index, piece in enumerate(frames):
+        by_length.setdefault(len(piece), []).append(index)
+    waves: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = [(0, 0)] * len(frames)
+    end = 0
+    for length, indices in by_length.items():
+        codes = torch.from_numpy(np.asarray([frames[i] for i in indices], dtype=np.int64)
+                                 .reshape(len(indices), length, NUM_CODEBOOKS))
+        wave = decoder.decode_batch(codes)  # [pieces, samples]
+        width = wave.shape[1]
+        for row, index in enumerate(indices):
+            spans[index] = (end + row * width, end + (row + 1) * width)
+        end += width * len(indices)
+        waves.append(wave.reshape(-1))
+    flat = (torch.cat(waves) if len(waves) > 1 else waves[0]).float() if waves else torch.zeros(0)
+    return DecodedAudio(HostCopy(flat), spans)
 
 
 class DecodedAudio:
     """Decoded pieces on their way to the host (:func:`queue_decode`)."""
 
-    def __init__(self, audio: HostCopy, offsets: np.ndarray) -> None:
+    def __init__(self, audio: HostCopy, spans: Sequence[tuple[int, int]]) -> None:
         self._audio = audio
-        self._offsets = offsets
+        self._spans = spans  # each piece's samples in the audio
 
     def wait(self) -> list[np.ndarray]:
         flat = self._audio.wait().numpy()
-        return [flat[self._offsets[i]:self._offsets[i + 1]] for i in range(len(self._offsets) - 1)]
+        return [flat[start:end] for start, end in self._spans]

@@ -373,12 +373,16 @@ class SpeechDecoder(nn.Module):
             indices_by_length[codes.shape[0]].append(index)
         waveforms: list[torch.Tensor | None] = [None] * len(codes_list)
         for frames, indices in indices_by_length.items():
-            if frames == 0:
-                for index in indices:
-                    waveforms[index] = torch.zeros(0, device=self.device)
-                continue
-            batch = to_device(torch.stack([codes_list[index] for index in indices]), self.device)
-            audio = self.mel_to_audio(self.codes_to_mel(batch))
+            audio = self.decode_batch(torch.stack([codes_list[index] for index in indices]))
             for row, index in enumerate(indices):
                 waveforms[index] = audio[row]
         return waveforms  # type: ignore[return-value]
+
+    def decode_batch(self, codes: torch.Tensor) -> torch.Tensor:
+        """Waveforms [B, T * 512] of B code sequences of one length, ``codes`` [B, T, 4]: what
+        :meth:`decode` gives each of them, as one tensor."""
+        if codes.dim() != 3 or codes.shape[2] != NUM_CODEBOOKS:
+            raise ValueError(f"codes must be [B, T, {NUM_CODEBOOKS}], got {tuple(codes.shape)}")
+        if codes.shape[1] == 0:
+            return torch.zeros(codes.shape[0], 0, device=self.device)
+        return self.mel_to_audio(self.codes_to_mel(to_device(codes, self.device)))

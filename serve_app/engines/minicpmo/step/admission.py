@@ -17,6 +17,7 @@ from ..model.loader import LoadedModel
 from ..options import EngineOptions
 from ..scheduler import Stream
 from ..speech_schedule import SpeechSchedule
+from ..text import GrowingTextTokenizer, splits_at_spaces
 from ..voices import prefix_length
 from .audio_cuts import OnDemandCuts
 from .chat_text import ChatTextSteps
@@ -39,6 +40,10 @@ class Admission:
         self._spk_id = spk_id
         self._gen_prompt_ids = gen_prompt_ids
         self._stts_id = model.tts_tokenizer.convert_tokens_to_ids("[Stts]")
+        # the TTS tokenizer's own (Rust) tokenizer, where a schedule's growing text may be
+        # encoded from its last word boundary on (text.GrowingTextTokenizer)
+        backend = getattr(model.tts_tokenizer, "backend_tokenizer", None)
+        self._growing_backend = backend if backend is not None and splits_at_spaces(backend) else None
         # where streams' audio is cut; the step loop tells it each step's time
         self.audio_cuts = (OnDemandCuts(options) if options.audio_cuts == "on_demand"
                            else FirstChunkPlanner(options))
@@ -83,6 +88,16 @@ class Admission:
         for stream, token in zip(chat_streams, tokens):
             self.chat_text.accept_token(stream, token)
 
+    def _tokenizer(self) -> Callable[[str], list[int]]:
+        """A new stream's TTS text tokenizer: its ids of a text, as the TTS tokenizer's
+        ``encode`` (no special tokens) gives them."""
+        backend = self._growing_backend
+        if backend is not None:
+            return GrowingTextTokenizer(
+                lambda text: backend.encode(text, add_special_tokens=False).ids)
+        tokenizer = self.model.tts_tokenizer
+        return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
     def _init_schedule(self, stream: Stream) -> None:
         request = stream.plan.request
         lengths = request.lengths
@@ -93,7 +108,7 @@ class Admission:
         tokenizer = self.model.tts_tokenizer
         stream.schedule = SpeechSchedule(
             config=self.model.config.tts,
-            tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            tokenize=self._tokenizer(),
             decode_tokens=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
             chunk_frames=self.options.chunk_frames,
             extra_cuts=set(self.audio_cuts.cuts_at_admission()),
