@@ -1,17 +1,19 @@
 """The engine's step thread: every step plans, launches and collects for all streams together.
 
-1. plan (what runs this step): end aborted streams; the scheduler admits queued ones within the
-   step's token budget and one batched LLM prefill gives each its speaker embedding (chat
-   streams keep their prompt in an LLM slot and sample a first token); chat streams get their
-   text (one LLM step launched to run beside the audio window, or steps run now); each stream's
+1. plan (what runs this step): end aborted streams; an idle engine admits queued streams
+   (within the step's token budget, one batched LLM prefill gives each its speaker embedding;
+   chat streams keep their prompt in an LLM slot and sample a first token; a busy engine admits
+   while the device runs its window, below); chat streams get their text (one LLM step launched
+   to run beside the audio window, or steps run now); each stream's
    :class:`~.speech_schedule.SpeechSchedule` turns its pieces into TTS work;
 2. launch (queue device work): batched TTS text prefills, then one batched window of audio
    steps for every generating stream, not waited for;
 3. collect (read results back): while the device runs the window, the last step's decoded
    audio is handed out (what can no longer change goes to its caller at once) and streams it
-   finished complete; then the window's frames, the prefills of carried segments, and this
-   step's batched DVAE + Vocos decode queued on the device (the next step's collect hands its
-   audio out); last, the tokens of the LLM step launched beside the window.
+   finished complete, and queued streams are admitted (their LLM prefill queued behind the
+   window, for the next step's plan); then the window's frames, the prefills of carried
+   segments, and this step's batched DVAE + Vocos decode queued on the device (the next step's
+   collect hands its audio out); last, the tokens of the LLM step launched beside the window.
 
 The device's work is queued, not waited for, wherever the host has other work: the host
 prepares step k+1 while the device decodes step k's audio, and joins and sends step k's audio
@@ -93,6 +95,9 @@ class StepLoop:
         self.step_log: collections.deque[StepRecord] = self.record.log
         self._faults = FaultInjection.from_options(options.fault_injection)
         self._step_counter = itertools.count()
+        self._step_index = 0  # this step's number (admission_interval_steps counts them)
+        self._window_ran = False  # the last step ran an audio window (admission: _plan)
+        self._admitted_in_plan = False
         self._pending_decode: PendingDecode | None = None
         self._wake = threading.Event()
         self._stop = False
@@ -154,18 +159,21 @@ class StepLoop:
     # ---- the three phases ------------------------------------------------------------------
 
     def _plan(self) -> StepPlan:
-        """What runs this step: aborted streams end; queued ones are admitted within the step's
-        token budget and prefilled; chat streams' next LLM step is launched to run beside the
+        """What runs this step: aborted streams end; an idle engine admits queued streams
+        within the step's token budget and prefills them (a busy one in :meth:`_collect`);
+        chat streams' next LLM step is launched to run beside the
         audio window (or, when it is not overlapped, their steps run now); the schedules read
         their text into TTS work; the streams whose audio is generating run a window."""
+        self._step_index = next(self._step_counter)
         self.endings.end_aborted()
         if self._faults is not None:
             inject_faults(self._faults, self.scheduler.running(), self.endings.fail)
-        budget = PrefillBudget(self.options.prefill_prompts, self.options.prefill_tokens)
-        admitted = self.scheduler.admit_within(next(self._step_counter), budget,
-                                               self.admission.prompt_ids)
-        self.record.admitted = admitted
-        self.admission.start(admitted, budget.prompts)
+        # An engine whose last step ran no audio window admits here; one that ran a window
+        # admits in _collect, while the device runs this step's (or, if this step runs none,
+        # here in the next step)
+        self._admitted_in_plan = not self._window_ran
+        if self._admitted_in_plan:
+            self._admit()
         self.phases.lap("admit_prefill")
         text = self.chat_text.launch()
         if text is None:
@@ -196,6 +204,14 @@ class StepLoop:
         next step's collect hands out)."""
         self._emit_decoded()
         self.phases.lap("decode_emit")
+        self._window_ran = bool(plan.generating)
+        if plan.generating and not self._admitted_in_plan:
+            # Admission while the device runs the window: its LLM prefill is queued behind the
+            # window and runs while the host reads the frames (where the device would wait),
+            # and the new streams' schedules are ready for the next step's plan, which would
+            # have admitted them; their first window is the same step's either way.
+            self._admit()
+            self.phases.lap("admit_prefill")
         text = plan.text
         if text is not None and waiting_for_text(text.streams):
             self.chat_text.beside_window(text)
@@ -211,6 +227,14 @@ class StepLoop:
         if text is not None:
             self.chat_text.collect(text)
             self.phases.lap("llm_decode")
+
+    def _admit(self) -> None:
+        """Admit queued streams within the step's token budget and start them (their prefill
+        pass and speech schedules)."""
+        budget = PrefillBudget(self.options.prefill_prompts, self.options.prefill_tokens)
+        admitted = self.scheduler.admit_within(self._step_index, budget, self.admission.prompt_ids)
+        self.record.admitted += admitted
+        self.admission.start(admitted, budget.prompts)
 
     # ---- TTS work on the device ------------------------------------------------------------
 
