@@ -505,10 +505,12 @@ def _auth_headers() -> dict[str, str]:
 
 
 def _read_from(path: Path, offset: int) -> str:
-    """What the service logged since ``offset`` (its lines reach the log a little late)."""
-    time.sleep(2.0)
+    """What the service logged since ``offset`` (its lines reach the log a little late, so it
+    waits 2 s first); nothing, at once, when there is no log (a service this run did not start,
+    ``--reuse``, that logs elsewhere)."""
     if not path.exists():
         return ""
+    time.sleep(2.0)
     with path.open("rb") as log:
         log.seek(offset)
         return log.read().decode("utf-8", "replace")

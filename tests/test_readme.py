@@ -11,7 +11,8 @@ list it). ``.venv/bin/...`` is what the set-up scripts make (``scripts/setup``);
 example imports must be in every lock ``scripts/serve`` may install (``requirements/``), those of
 the examples on a voice-agent framework (:data:`FRAMEWORK_EXAMPLES`) and of the README's Python
 block in the lock ``scripts/test`` installs. The cheap commands run
-(``--help``); the slow test starts the CPU profile and runs the README's lines against it.
+(``--help``); the slow test runs the README's lines against the CPU profile as ``scripts/serve``
+serves it (the session's one, ``tests/cpu_profile.py``).
 """
 
 from __future__ import annotations
@@ -334,64 +335,50 @@ def engine_only_block(block: str) -> bool:
 
 @pytest.mark.slow
 @needs_venv
-def test_the_readme_runs_against_the_cpu_profile(tmp_path, monkeypatch):
+def test_the_readme_runs_against_the_cpu_profile(cpu_service, tmp_path):
+    """The README's lines against the CPU profile as scripts/serve serves it (the session's
+    one, tests/cpu_profile.py)."""
     import soundfile
-    import yaml
 
-    from loadtest.local_cluster import free_ports
-    from loadtest.service import start_service, stop_service
-    from serve_app.ingress_env import HAPROXY_PORT_SETTINGS
-
-    ports = free_ports(1 + len(HAPROXY_PORT_SETTINGS))
-    port, haproxy_ports = ports[0], ports[1:]
-    for name, value in zip(HAPROXY_PORT_SETTINGS, haproxy_ports):
-        monkeypatch.setenv(name, str(value))  # beside any other cluster on this machine
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    config = yaml.safe_load((ROOT / "serve_config.cpu.yaml").read_text(encoding="utf-8"))
-    config["http_options"]["port"] = port
+    port = cpu_service.port
     # The README's commands, from a folder of their own that sees the clone's .venv and examples.
     work = tmp_path / "clone"
     work.mkdir()
     for name in (".venv", "examples", "scripts"):
         (work / name).symlink_to(ROOT / name)
-    service = start_service(config, f"http://127.0.0.1:{port}", tmp_path / "serve.log",
-                            ready_timeout_s=600)
-    try:
-        text = README.read_text(encoding="utf-8")
-        for block in fenced_blocks(text, "bash"):
-            if engine_only_block(block):
-                continue
-            for line in logical_lines(block):
-                program = simple_commands(line)[0].argv[0]
-                if program in ("scripts/serve", "scripts/test") or program.endswith("/serve"):
-                    continue  # the service itself (this test started one) and the suite
-                # /tmp/NAME becomes the test's own folder: beside other runs on this machine.
-                line = line.replace(SERVICE, f"127.0.0.1:{port}").replace("/tmp/", f"{work}/")
-                # tts-client's default --url is the service's usual address; here TTS_URL moves it
-                done = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=work,
-                                      capture_output=True, text=True, timeout=300,
-                                      env={**os.environ, "TTS_URL": f"http://127.0.0.1:{port}"})
-                assert done.returncode == 0, f"{line}\n{done.stdout[-1000:]}{done.stderr[-2000:]}"
-                if "--help" not in line and "voice_agent" not in line:
-                    for written in simple_commands(line)[-1].writes:
-                        assert (work / written).stat().st_size > 0, line
-        for name in ("hello.wav", "native.wav", "terminal.wav"):
-            audio, rate = soundfile.read(work / name)
-            assert len(audio) > rate // 2, name  # half a second of speech at least
-        mp3 = (work / "stdin.mp3").read_bytes()
-        assert mp3[:3] == b"ID3" or (mp3[0] == 0xFF and mp3[1] & 0xE0 == 0xE0), mp3[:4]  # a frame
-        assert (work / "agent.pcm").stat().st_size > 24000, "the voice agent got no audio"
-        # The OpenAI SDK block, where scripts/test has installed the SDK.
-        if shutil.which("python", path=str(VENV_BIN)) and _has(VENV_BIN / "python", "openai"):
-            [block] = fenced_blocks(text, "python")
-            (work / "hello_openai.py").write_text(
-                block.replace(SERVICE, f"127.0.0.1:{port}").replace("/tmp/", f"{work}/"))
-            done = subprocess.run([str(work / ".venv/bin/python"), "hello_openai.py"], cwd=work,
-                                  capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr[-2000:]
-            assert (work / "hello.mp3").stat().st_size > 1000
-    finally:
-        stop_service(service)
+    text = README.read_text(encoding="utf-8")
+    for block in fenced_blocks(text, "bash"):
+        if engine_only_block(block):
+            continue
+        for line in logical_lines(block):
+            program = simple_commands(line)[0].argv[0]
+            if program in ("scripts/serve", "scripts/test") or program.endswith("/serve"):
+                continue  # the service itself (the session's, running) and the suite
+            # /tmp/NAME becomes the test's own folder: beside other runs on this machine.
+            line = line.replace(SERVICE, f"127.0.0.1:{port}").replace("/tmp/", f"{work}/")
+            # tts-client's default --url is the service's usual address; here TTS_URL moves it
+            done = subprocess.run(["bash", "-o", "pipefail", "-c", line], cwd=work,
+                                  capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, "TTS_URL": f"http://127.0.0.1:{port}"})
+            assert done.returncode == 0, f"{line}\n{done.stdout[-1000:]}{done.stderr[-2000:]}"
+            if "--help" not in line and "voice_agent" not in line:
+                for written in simple_commands(line)[-1].writes:
+                    assert (work / written).stat().st_size > 0, line
+    for name in ("hello.wav", "native.wav", "terminal.wav"):
+        audio, rate = soundfile.read(work / name)
+        assert len(audio) > rate // 2, name  # half a second of speech at least
+    mp3 = (work / "stdin.mp3").read_bytes()
+    assert mp3[:3] == b"ID3" or (mp3[0] == 0xFF and mp3[1] & 0xE0 == 0xE0), mp3[:4]  # a frame
+    assert (work / "agent.pcm").stat().st_size > 24000, "the voice agent got no audio"
+    # The OpenAI SDK block, where scripts/test has installed the SDK.
+    if shutil.which("python", path=str(VENV_BIN)) and _has(VENV_BIN / "python", "openai"):
+        [block] = fenced_blocks(text, "python")
+        (work / "hello_openai.py").write_text(
+            block.replace(SERVICE, f"127.0.0.1:{port}").replace("/tmp/", f"{work}/"))
+        done = subprocess.run([str(work / ".venv/bin/python"), "hello_openai.py"], cwd=work,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert (work / "hello.mp3").stat().st_size > 1000
 
 
 def _has(python: Path, module: str) -> bool:
