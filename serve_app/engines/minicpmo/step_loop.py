@@ -168,10 +168,10 @@ class StepLoop:
         self.endings.end_aborted()
         if self._faults is not None:
             inject_faults(self._faults, self.scheduler.running(), self.endings.fail)
-        # An engine whose last step ran no audio window admits here; one that ran a window
-        # admits in _collect, while the device runs this step's (or, if this step runs none,
-        # here in the next step)
-        self._admitted_in_plan = not self._window_ran
+        # An engine with no running stream, or whose last step ran no audio window, admits
+        # here; one that ran a window admits in _collect, while the device runs this step's
+        # (or, if this step runs none, here in the next step)
+        self._admitted_in_plan = not self._window_ran or not self.scheduler.running()
         if self._admitted_in_plan:
             self._admit()
         self.phases.lap("admit_prefill")
