@@ -4,6 +4,7 @@ and against piper's own synthesis."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -121,3 +122,40 @@ def test_first_piece_is_held_short_for_a_fast_first_chunk() -> None:
     assert len(pieces) >= 2
     # BOS/EOS and the pads between phonemes roughly double the id count.
     assert len(pieces[0]) <= 2 * 40 + 2
+
+
+def test_a_paced_stream_lives_as_long_as_its_audio_plays() -> None:
+    """With ``paced_lead_s`` each chunk comes no sooner than that lead before the audio already
+    sent would have played out (the fleet runs' stand-in for a GPU engine at load), and the
+    stream holds its slot meanwhile; the audio is the same as unpaced."""
+    lead_s = 0.3
+    text = ("One sentence to begin with. A second one follows it. Then a third sentence comes. "
+            "And a fourth one ends the text.")
+    paced = PiperEngine.from_options(paced_lead_s=lead_s, max_batch_size=4)
+    plain = PiperEngine.from_options(max_batch_size=4)
+
+    async def timed(engine: PiperEngine) -> tuple[list[float], list, list[int]]:
+        times, chunks, active = [], [], []
+        [stream] = engine.submit([_request("paced", text=text, seed=3)])
+        async for chunk in stream:
+            times.append(time.monotonic())
+            chunks.append(chunk)
+            active.append(engine.stats().active_streams)
+        return times, chunks, active
+
+    try:
+        times, chunks, active = asyncio.run(timed(paced))
+        _, plain_chunks, _ = asyncio.run(timed(plain))
+    finally:
+        paced.close()
+        plain.close()
+    with_audio = [(t, c) for t, c in zip(times, chunks) if len(c.samples)]
+    assert len(with_audio) >= 4
+    first_s = with_audio[0][0]
+    sent_s = 0.0
+    for at, chunk in with_audio:
+        # the chunk left the engine once the audio before it was within lead_s of its end
+        assert at >= first_s + sent_s - lead_s, (at - first_s, sent_s)
+        sent_s += chunk.duration_s
+    assert all(count == 1 for count in active[:-1])  # held in its slot until its last chunk
+    np.testing.assert_array_equal(_audio(chunks), _audio(plain_chunks))

@@ -32,6 +32,11 @@ class PiperOptions:
     max_sentence_phonemes: Annotated[int, Field(ge=1)] = 400  # longer: cut at word breaks
     first_piece_phonemes: Annotated[int, Field(ge=0)] = 0  # a short first piece (0: off)
     max_queued_streams: Annotated[int, Field(ge=0)] = 256  # held beyond the rows; more: refused
+    # Hold each stream until its listener has this many seconds of audio left before its next
+    # chunk: a stream then lives as long as its audio plays, as on a GPU engine at load (the
+    # fleet runs' stand-in for one, where Piper alone finishes a stream in a fraction of its
+    # audio on a fast machine). None: every stream as fast as the steps go.
+    paced_lead_s: Annotated[float, Field(ge=0)] | None = None
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
 
     @property

@@ -88,7 +88,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
     def __init__(self, voice: PiperVoice, has_durations: bool, *, max_batch_size: int = 8,
                  noise_scale: float | None = None, noise_w_scale: float | None = None,
                  max_sentence_phonemes: int = 400, first_piece_phonemes: int = 0,
-                 max_queued_streams: int = 256,
+                 max_queued_streams: int = 256, paced_lead_s: float | None = None,
                  fault_injection: dict[str, Any] | FaultInjection | None = None) -> None:
         self._voice = voice
         # piper-tts's espeak bridge leaks every clause it phonemizes (see espeak_refs).
@@ -106,6 +106,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._phonemizer = Phonemizer(voice, max_sentence_phonemes, first_piece_phonemes)
         # Streams held beyond the batch's rows; more than this is refused (bounded memory).
         self._max_queued_streams = max_queued_streams
+        self._paced_lead_s = paced_lead_s  # PiperOptions.paced_lead_s
         self._faults = FaultInjection.from_options(fault_injection)
         self._streams: OrderedDict[str, PiperStream] = OrderedDict()
         self._stats = EngineStats(max_slots=self.max_batch_size)
@@ -233,7 +234,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
                 continue
             if stream.fed is not None:
                 stream.fed.take()  # between steps: the worker reads the clauses
-            if stream.not_before_s <= now and stream.has_work():
+            if stream.not_before_s <= now and stream.paced_until_s <= now and stream.has_work():
                 chosen.append(stream)
         for stream in chosen:
             self._streams.move_to_end(stream.request.request_id)
@@ -241,8 +242,10 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
 
     def _next_ready_in_s(self) -> float | None:
         """Seconds until a delayed stream may run again (None: nothing is waiting)."""
-        delayed = [s.not_before_s for s in self._streams.values() if s.not_before_s > 0]
-        return max(0.0, min(delayed) - time.monotonic()) if delayed else None
+        now = time.monotonic()
+        delayed = [t for s in self._streams.values() for t in (s.not_before_s, s.paced_until_s)
+                   if t > now]
+        return min(delayed) - now if delayed else None
 
     def _inject_fault(self, stream: PiperStream) -> bool:
         """Apply the configured fault to a stream; False if it must not be scheduled."""
@@ -278,6 +281,12 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             outbox.put(stream.sink, request_id, EngineError("speech synthesis failed"))
             return
         chunk = next_chunk(stream, result, step_s, self.sample_rate_hz, self._faults)
+        if self._paced_lead_s is not None and len(chunk.samples):
+            now = time.monotonic()
+            if stream.first_audio_s is None:
+                stream.first_audio_s = now
+            played_out_s = stream.first_audio_s + stream.samples_emitted / self.sample_rate_hz
+            stream.paced_until_s = played_out_s - self._paced_lead_s
         if chunk.final:
             self._streams.pop(request_id, None)
             self._stats.completed += 1

@@ -37,6 +37,8 @@ class PiperStream:
     started: bool = False
     chunks_sent: int = 0
     not_before_s: float = 0.0  # fault injection: not scheduled again before this time
+    paced_until_s: float = 0.0  # paced_lead_s: not scheduled again before this time
+    first_audio_s: float | None = None  # time.monotonic() of its first chunk with audio
 
     def has_work(self) -> bool:
         """Something to synthesize, or the final chunk to send; False while waiting for text."""
