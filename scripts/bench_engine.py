@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -153,49 +154,43 @@ async def single_stream_in_voices(engine: MiniCPMOEngine, args: argparse.Namespa
     return out
 
 
-class EmissionStampedQueues(StreamQueues):
-    """The engine's sink for the bench's streams, which also notes when the engine's step thread
-    handed each chunk out (``sent``: per request, (time, samples) of each chunk with audio).
-    The bench's readers run on an event loop in the engine's own process, which must win the
+class EmissionStamps:
+    """When the engine's step thread handed out each chunk with audio of a stream (``sent``:
+    per request, (time, samples)), noted by the sink :meth:`wrap` puts in front of the bench's
+    readers. Those readers run on an event loop in the engine's own process, which must win the
     GIL from the step thread to take a chunk; the served engine hands its chunks to another
     process. The emission times say what the engine did, the arrival times what this loop saw."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop)
+    def __init__(self) -> None:
         self.sent: dict[str, list[tuple[float, int]]] = {}
 
-    def __call__(self, items: list[tuple[str, object]]) -> None:
-        now = time.perf_counter()
-        for request_id, item in items:
-            samples = getattr(item, "samples", None)
-            if samples is not None and len(samples):
-                self.sent.setdefault(request_id, []).append((now, len(samples)))
-        super().__call__(items)
+    def wrap(self, sink: StreamQueues) -> Callable[[list[tuple[str, object]]], None]:
+        def stamped(items: list[tuple[str, object]]) -> None:
+            now = time.perf_counter()
+            for request_id, item in items:
+                samples = getattr(item, "samples", None)
+                if samples is not None and len(samples):
+                    self.sent.setdefault(request_id, []).append((now, len(samples)))
+            sink(items)
+
+        stamped.per_item = sink.per_item  # type: ignore[attr-defined]  # as the Outbox reads it
+        return stamped
 
 
-_QUEUES: dict[asyncio.AbstractEventLoop, EmissionStampedQueues] = {}
-
-
-def stamped_queues() -> EmissionStampedQueues:
-    loop = asyncio.get_running_loop()
-    if loop not in _QUEUES:
-        _QUEUES.clear()  # one loop at a time (asyncio.run per phase)
-        _QUEUES[loop] = EmissionStampedQueues(loop)
-    return _QUEUES[loop]
+EMISSIONS = EmissionStamps()
 
 
 async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float) -> dict:
     await asyncio.sleep(delay_s)
-    queues = stamped_queues()
     submitted = time.perf_counter()
-    (stream,) = queues.submit([request.request_id],
-                              lambda sink: engine.submit_to([request], sink), engine.abort)
+    (stream,) = engine.iterators([request.request_id], lambda queues: engine.submit_to(
+        [request], EMISSIONS.wrap(queues)))
     arrivals: list[tuple[float, int]] = []
     async for chunk in stream:
         if len(chunk.samples):
             arrivals.append((time.perf_counter(), len(chunk.samples)))
     done = time.perf_counter()
-    sent = queues.sent.pop(request.request_id, [])
+    sent = EMISSIONS.sent.pop(request.request_id, [])
     audio_s = sum(n for _, n in arrivals) / SAMPLE_RATE
     return {"ttfb_ms": (arrivals[0][0] - submitted) * 1000 if arrivals else None,
             "total_s": done - submitted, "audio_s": audio_s,
@@ -328,7 +323,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
         "queue_wait_ms_p50": percentile(queue_ms, 50), "queue_wait_ms_p99": percentile(queue_ms, 99),
         "stall_ms_p99": percentile(stalls, 99), "stall_ms_max": max(stalls, default=None),
         # The same figures with each chunk timed when the engine's step thread handed it out,
-        # not when this process's event loop got it (EmissionStampedQueues): what the engine
+        # not when this process's event loop got it (EmissionStamps): what the engine
         # did, without the bench's own reader in its process
         "at_emission": {
             "ttfb_ms_p50": percentile(sent_ttfbs, 50), "ttfb_ms_p99": percentile(sent_ttfbs, 99),

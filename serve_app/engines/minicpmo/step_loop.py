@@ -64,6 +64,7 @@ class StepPlan:
     prefills: list[tuple[Stream, object]]  # TTS work from the text the schedules read
     generating: list[Stream]  # streams whose next audio window runs this step
     text: LaunchedText | None  # the chat streams' LLM step, launched to run beside the window
+    admitted: bool  # queued streams were admitted in the plan (else: in the collect phase)
 
 
 @dataclass(slots=True)
@@ -97,7 +98,6 @@ class StepLoop:
         self._step_counter = itertools.count()
         self._step_index = 0  # this step's number (admission_interval_steps counts them)
         self._window_ran = False  # the last step ran an audio window (admission: _plan)
-        self._admitted_in_plan = False
         self._pending_decode: PendingDecode | None = None
         self._wake = threading.Event()
         self._stop = False
@@ -171,8 +171,8 @@ class StepLoop:
         # An engine with no running stream, or whose last step ran no audio window, admits
         # here; one that ran a window admits in _collect, while the device runs this step's
         # (or, if this step runs none, here in the next step)
-        self._admitted_in_plan = not self._window_ran or not self.scheduler.running()
-        if self._admitted_in_plan:
+        admit_now = not self._window_ran or not self.scheduler.running()
+        if admit_now:
             self._admit()
         self.phases.lap("admit_prefill")
         text = self.chat_text.launch()
@@ -184,7 +184,7 @@ class StepLoop:
         generating = [s for s in self.scheduler.running()
                       if s.schedule is not None and s.schedule.phase is Phase.GENERATING]
         self.phases.lap("schedule")
-        return StepPlan(prefills, generating, text)
+        return StepPlan(prefills, generating, text, admit_now)
 
     def _launch(self, plan: StepPlan) -> HostCopy | None:
         """Queue the step's device work: the TTS text prefills, then one window of up to
@@ -205,7 +205,7 @@ class StepLoop:
         self._emit_decoded()
         self.phases.lap("decode_emit")
         self._window_ran = bool(plan.generating)
-        if plan.generating and not self._admitted_in_plan:
+        if plan.generating and not plan.admitted:
             # Admission while the device runs the window: its LLM prefill is queued behind the
             # window and runs while the host reads the frames (where the device would wait),
             # and the new streams' schedules are ready for the next step's plan, which would
