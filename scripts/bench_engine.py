@@ -574,7 +574,7 @@ def compare_quantization(args, gpu: str, gpu_tag: str) -> None:
     print(f"wrote {out}")
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -641,6 +641,11 @@ def main() -> None:
     parser.add_argument("--voices", type=int, default=0,
                         help="register this many cloned voices (synthetic 5 s clips) and spread "
                              "the requests round-robin over them")
+    return parser
+
+
+def main() -> None:
+    parser = argument_parser()
     args = parser.parse_args()
     if args.voices and (args.compare_quantization or args.baseline != "none"):
         parser.error("--voices measures the batched engine: use it with --baseline none and "

@@ -3,11 +3,12 @@
 1. plan (what runs this step): end aborted streams; an idle engine admits queued streams
    (within the step's token budget, one batched LLM prefill gives each its speaker embedding;
    chat streams keep their prompt in an LLM slot and sample a first token; a busy engine admits
-   while the device runs its window, below); chat streams get their text (one LLM step launched
-   to run beside the audio window, or steps run now); each stream's
+   while the device runs its window, below); chat streams get their text (LLM steps run now,
+   unless one is launched beside the audio window, below); each stream's
    :class:`~.speech_schedule.SpeechSchedule` turns its pieces into TTS work;
 2. launch (queue device work): batched TTS text prefills, then one batched window of audio
-   steps for every generating stream, not waited for;
+   steps for every generating stream on the device's highest-priority stream, not waited for;
+   then the chat streams' LLM step, on a stream of its own beside the window;
 3. collect (read results back): while the device runs the window, the last step's decoded
    audio is handed out (what can no longer change goes to its caller at once) and streams it
    finished complete, and queued streams are admitted (their LLM prefill queued behind the
@@ -63,7 +64,8 @@ class StepPlan:
 
     prefills: list[tuple[Stream, object]]  # TTS work from the text the schedules read
     generating: list[Stream]  # streams whose next audio window runs this step
-    text: LaunchedText | None  # the chat streams' LLM step, launched to run beside the window
+    overlapped: bool  # the chat streams' LLM step is launched beside the window (not run here)
+    text: LaunchedText | None  # that LLM step, once launched (in the launch phase)
     admitted: bool  # queued streams were admitted in the plan (else: in the collect phase)
 
 
@@ -161,9 +163,9 @@ class StepLoop:
     def _plan(self) -> StepPlan:
         """What runs this step: aborted streams end; an idle engine admits queued streams
         within the step's token budget and prefills them (a busy one in :meth:`_collect`);
-        chat streams' next LLM step is launched to run beside the
-        audio window (or, when it is not overlapped, their steps run now); the schedules read
-        their text into TTS work; the streams whose audio is generating run a window."""
+        chat streams' LLM steps run now, unless their next one is launched beside the audio
+        window (:meth:`_launch`); the schedules read their text into TTS work; the streams
+        whose audio is generating run a window."""
         self._step_index = next(self._step_counter)
         self.endings.end_aborted()
         if self._faults is not None:
@@ -175,8 +177,8 @@ class StepLoop:
         if admit_now:
             self._admit()
         self.phases.lap("admit_prefill")
-        text = self.chat_text.launch()
-        if text is None:
+        overlapped = self.chat_text.overlaps()
+        if not overlapped:
             self.chat_text.decode()
         self.phases.lap("llm_decode")
         self.text.take_fed_text()
@@ -184,16 +186,20 @@ class StepLoop:
         generating = [s for s in self.scheduler.running()
                       if s.schedule is not None and s.schedule.phase is Phase.GENERATING]
         self.phases.lap("schedule")
-        return StepPlan(prefills, generating, text, admit_now)
+        return StepPlan(prefills, generating, overlapped, None, admit_now)
 
     def _launch(self, plan: StepPlan) -> HostCopy | None:
         """Queue the step's device work: the TTS text prefills, then one window of up to
         ``steps_per_sync`` audio frames per generating stream (its frames are read in
-        :meth:`_collect`)."""
+        :meth:`_collect`), then, when the plan overlaps it, the chat streams' LLM step beside
+        the window (the host prepares it while the device runs the window)."""
         self._run_tts_prefills(plan.prefills)
         self.phases.lap("tts_prefill")
         window = self._launch_audio_window(plan.generating) if plan.generating else None
         self.phases.lap("tts_step")
+        if plan.overlapped:  # its host work while the device runs the window
+            plan.text = self.chat_text.launch(beside_window=window is not None)
+            self.phases.lap("llm_decode")
         return window
 
     def _collect(self, plan: StepPlan, window: HostCopy | None) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from serve_app.engines.base import LengthControls, SamplingParams, SpeechRequest
 from serve_app.engines.minicpmo.engine import EngineOptions, MiniCPMOEngine
-from serve_app.engines.minicpmo.model.layers import SlotKVCache
+from serve_app.engines.minicpmo.model.layers import SlotKVCache, set_one_query_attention
 from serve_app.engines.minicpmo.device.llm_step import (
     LLMStepGraphs,
     LLMStepInputs,
@@ -121,25 +121,58 @@ def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
     assert overlapped == in_line and all(in_line)
 
 
-def test_llm_step_over_a_short_key_span_equals_the_step_over_the_whole_cache(engine):
-    """The CUDA graphs of the LLM step read only the shortest key span that holds their rows'
-    positions (``llm_key_spans``); that step gives the tokens and logits of the step over
-    the whole cache, inactive padding rows (which write to the scratch position past the span)
-    included."""
-    llm = engine.model.llm
-    shape = engine.model.config.llm
+def random_llm_cache_and_step(engine) -> tuple[SlotKVCache, LLMStepInputs]:
+    """An LLM cache of 4 slots (256 positions) of random keys and values, and a greedy step's
+    inputs for its rows: three active at positions 3, 40 and 90, one inactive (padding)."""
     generator = torch.Generator().manual_seed(7)
-    cache = SlotKVCache(shape, 4, 256, torch.device("cpu"), torch.float32)
+    cache = SlotKVCache(engine.model.config.llm, 4, 256, torch.device("cpu"), torch.float32)
     for store in (cache.all_keys, cache.all_values):
         store.copy_(torch.randn(store.shape, generator=generator))
     rows = 4
-    x = LLMStepInputs(
+    return cache, LLMStepInputs(
         token=torch.randint(0, 100, (rows,), generator=generator),
         position=torch.tensor([3, 40, 0, 90]), active=torch.tensor([True, True, False, True]),
         temperature=torch.ones(rows), top_p=torch.ones(rows), top_k=torch.full((rows,), 1),
         penalty=torch.ones(rows), greedy=torch.ones(rows, dtype=torch.bool),
         seed=torch.zeros(rows, dtype=torch.long), counter=torch.zeros(rows, dtype=torch.long),
         window=torch.zeros(rows, 1, dtype=torch.long))
+
+
+def test_llm_step_by_visible_ranges_equals_the_sdpa_step(engine):
+    """With ``one_query_attention: visible_ranges`` the LLM's decode step attends by ranges (on
+    CUDA the one kernel per layer; here the layer's own path over the ranges' mask): each row
+    sees its positions so far, a padding row key 0, as the SDPA step's mask has it, so it gives
+    the same tokens and writes the same keys and values."""
+    llm = engine.model.llm
+    cache, x = random_llm_cache_and_step(engine)
+    before = cache.all_keys.clone(), cache.all_values.clone()
+    with torch.inference_mode():
+        by_mask = llm_decode_step(llm, cache, x, torch.arange(4), True, "full")
+        written = cache.all_keys.clone(), cache.all_values.clone()
+        cache.all_keys.copy_(before[0])
+        cache.all_values.copy_(before[1])
+        set_one_query_attention(llm, "visible_ranges")
+        try:
+            by_ranges = llm_decode_step(llm, cache, x, torch.arange(4), True, "full")
+        finally:
+            set_one_query_attention(llm, "sdpa")
+    assert torch.equal(by_ranges, by_mask)
+    # every layer's new keys and values (a later layer's come from the attention before it)
+    assert len(llm.model.layers) > 1
+    changed = (cache.all_keys != before[0]).any(dim=(0, 2, 4))  # [slots, positions]
+    assert changed.nonzero().tolist() == [[0, 3], [1, 40], [2, 256], [3, 90]]
+    torch.testing.assert_close(cache.all_keys, written[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.all_values, written[1], rtol=1e-5, atol=1e-5)
+
+
+def test_llm_step_over_a_short_key_span_equals_the_step_over_the_whole_cache(engine):
+    """The CUDA graphs of the LLM step read only the shortest key span that holds their rows'
+    positions (``llm_key_spans``); that step gives the tokens and logits of the step over
+    the whole cache, inactive padding rows (which write to the scratch position past the span)
+    included."""
+    llm = engine.model.llm
+    cache, x = random_llm_cache_and_step(engine)
+    rows = len(x.token)
     spans = llm_key_spans(cache.max_positions + 1)
     assert spans == [128, 257]
     with torch.inference_mode():

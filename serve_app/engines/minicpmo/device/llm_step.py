@@ -61,7 +61,10 @@ def llm_decode_step(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: tor
     visible = keys[None, :] <= x.position[:, None]
     visible = torch.where(x.active[:, None], visible, keys[None, :] == 0)
     write = torch.where(x.active, x.position, torch.full_like(x.position, cache.scratch_position))
-    step = StepInputs(rows, x.position[:, None], write[:, None], visible[:, None, None, :], contiguous)
+    # the same keys as two ranges (the second empty), for layers that attend by visible ranges
+    seen = torch.where(x.active, x.position + 1, torch.ones_like(x.position))
+    step = StepInputs(rows, x.position[:, None], write[:, None], visible[:, None, None, :],
+                      contiguous, ranges=seen[:, None].expand(-1, 3))
     hidden = llm.hidden_states(x.token[:, None], cache, step)
     return sample_next_token(llm.logits(hidden[:, -1]), x, path)
 
@@ -109,7 +112,8 @@ class LLMStepGraphs:
     choice adds no sync: the tokens are copied to the host anyway.
     """
 
-    def __init__(self, llm: QwenLM, cache: SlotKVCache, window: int, device: torch.device) -> None:
+    def __init__(self, llm: QwenLM, cache: SlotKVCache, window: int, device: torch.device,
+                 whole_span_only: bool = False) -> None:
         self.llm = llm
         self.cache = cache
         slots = cache.num_slots
@@ -122,7 +126,9 @@ class LLMStepGraphs:
             window=zeros(torch.long, window))
         self.rows = torch.arange(slots, device=device)
         self.buckets = bucket_sizes(slots)
-        self.spans = llm_key_spans(cache.max_positions + 1)
+        # attention that reads only the keys each row sees needs no shorter spans
+        self.spans = ([cache.max_positions + 1] if whole_span_only
+                      else llm_key_spans(cache.max_positions + 1))
         # (bucket, span, path), the largest last: captured first into the shared pool
         self.keys = [(b, span, path) for b in self.buckets for span in self.spans
                      for path in ("full", "candidates")

@@ -10,6 +10,7 @@ graphs where it can. :func:`create_runner` makes that choice once, when the engi
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from typing import Sequence
@@ -101,10 +102,12 @@ class ModelRunner:
             fuse_projections(model.llm)
         set_one_query_attention(model.tts, options.one_query_attention)
         # The chat LLM's decode step reads 15 GB of weights and little cache: flex would only
-        # add a compile per captured shape to the start, so it keeps SDPA (and its steps give
-        # no visible ranges).
-        set_one_query_attention(model.llm, "sdpa" if self.reads_only_visible
-                                else options.one_query_attention)
+        # add a compile per captured shape to the start, so it keeps SDPA. With visible_ranges
+        # its rows' keys (one range: its positions so far) go to the same one kernel, which
+        # replaces the rotary, cache-write and attention launches of each of its 28 layers.
+        self.llm_attention = ("sdpa" if options.one_query_attention == "flex"
+                              else options.one_query_attention)
+        set_one_query_attention(model.llm, self.llm_attention)
         if self.device.type == "cuda":
             self._warm_up_int4(model)
 
@@ -212,7 +215,7 @@ class ModelRunner:
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
-        self._count_llm_step(len(slots), self.llm_cache.max_positions + 1)
+        self._count_llm_step(len(slots), self.llm_cache.max_positions + 1, inputs)
         tokens = llm_decode_step(self.model.llm, self.llm_cache, self._on_device(inputs),
                                  device_tensor(slots, self.device), False).cpu()
         return tokens.tolist()
@@ -228,9 +231,12 @@ class ModelRunner:
     def llm_collect(self, launched: object) -> list[int]:
         return launched  # type: ignore[return-value]
 
-    def _count_llm_step(self, rows: int, span: int) -> None:
-        """An LLM step of ``rows`` rows (graph padding included) reading ``span`` keys each."""
-        self.work.update(llm_steps=1, llm_rows=rows, llm_key_reads=rows * span)
+    def _count_llm_step(self, rows: int, span: int, inputs: LLMStepInputs) -> None:
+        """An LLM step of ``rows`` rows (graph padding included) reading ``span`` keys each, or,
+        attending by visible ranges, each row its positions so far."""
+        reads = (int(inputs.position.sum()) + len(inputs.position)
+                 if self.llm_attention == "visible_ranges" else rows * span)
+        self.work.update(llm_steps=1, llm_rows=rows, llm_key_reads=reads)
 
     def _on_device(self, inputs: LLMStepInputs) -> LLMStepInputs:
         return LLMStepInputs(**{f: to_device(getattr(inputs, f), self.device)
@@ -298,6 +304,11 @@ class GraphModelRunner(ModelRunner):
     def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
         super().__init__(model, options, penalty_width)
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
+        # The audio window and the decode run on a stream of the highest priority, in order
+        # with the current stream both ways (_first_in_line): an LLM step launched beside them
+        # (on a default-priority stream) takes the SMs they leave, not the other way round.
+        self._speech_stream = torch.cuda.Stream(
+            self.device, priority=-100)  # torch maps it to the device's highest
         self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
                                             whole_span_only=self.reads_only_visible)
@@ -307,7 +318,8 @@ class GraphModelRunner(ModelRunner):
             LONG_PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
                                                    max_rows=LONG_TEXT_PREFILL_ROWS,
                                                    width=LONG_PREFILL_TOKENS)}
-        self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device)
+        self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device,
+                                        whole_span_only=self.llm_attention == "visible_ranges")
         self.llm_prefill_graphs = LLMPrefillGraphs(
             model.llm, model.config.llm, self.device, self.dtype, max_batch=options.prefill_prompts,
             prefix_lengths=VOICE_PREFIX_BUCKETS if clones_voices(model, options) else (0,))
@@ -340,16 +352,27 @@ class GraphModelRunner(ModelRunner):
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
 
+    @contextlib.contextmanager
+    def _first_in_line(self):
+        """Work queued in the block runs on the high-priority speech stream, after the current
+        stream's work so far and before what the current stream gets next."""
+        current = torch.cuda.current_stream(self.device)
+        self._speech_stream.wait_stream(current)
+        with torch.cuda.stream(self._speech_stream):
+            yield
+        current.wait_stream(self._speech_stream)
+
     def launch_decode(self, frames: Sequence[list[list[int]]]) -> DecodedAudio:
         if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager
             eager = sum(not self.decoder.captured(len(f)) for f in frames)
             if eager:
                 self.work.update(decode_eager_pieces=eager)
-        return super().launch_decode(frames)
+        with self._first_in_line():
+            return super().launch_decode(frames)
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         shape = self.llm_graphs.shape(slots, inputs)
-        self._count_llm_step(*shape)
+        self._count_llm_step(*shape, inputs)
         return self.llm_graphs.run(slots, inputs, shape).tolist()
 
     def llm_launch(self, slots: list[int], inputs: LLMStepInputs,
@@ -357,7 +380,7 @@ class GraphModelRunner(ModelRunner):
         """The LLM step's graph on a CUDA stream of its own: the audio window queued after it
         on the current stream (or, ``beside_window``, queued last, before it) runs beside it."""
         shape = self.llm_graphs.shape(slots, inputs)
-        self._count_llm_step(*shape)
+        self._count_llm_step(*shape, inputs)
         self.work.update(llm_launches=1)
         if self._llm_stream is None:
             self._llm_stream = torch.cuda.Stream(self.device)
@@ -378,7 +401,8 @@ class GraphModelRunner(ModelRunner):
         # what an LLM step launched beside this window waits for: the work queued before it
         self._window_queued = torch.cuda.Event()
         self._window_queued.record()
-        return self.audio_graphs.launch(slots, inputs, shape)
+        with self._first_in_line():
+            return self.audio_graphs.launch(slots, inputs, shape)
 
 
 def create_runner(model: LoadedModel, options: EngineOptions, penalty_width: int) -> ModelRunner:

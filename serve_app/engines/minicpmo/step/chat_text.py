@@ -44,20 +44,25 @@ class ChatTextSteps:
                 if s.plan.is_chat and not s.text_done and s.llm_slot >= 0
                 and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
 
-    def launch(self) -> LaunchedText | None:
-        """With ``overlap_llm_step``, when audio is generated this step: one LLM step launched
-        now, beside the audio window, and collected after it (:meth:`collect`), or, while a chat
-        stream's speech waits for text, right after the window is queued, with more steps beside
-        the window (:meth:`beside_window`)."""
-        if not self.options.overlap_llm_step:
-            return None
+    def overlaps(self) -> bool:
+        """With ``overlap_llm_step``, while some stream's audio is generating and a chat stream
+        wants its next token: the step's LLM step is launched beside its audio window
+        (:meth:`launch`), not run in its plan (:meth:`decode`)."""
+        return (self.options.overlap_llm_step
+                and any(s.schedule is not None and s.schedule.phase is Phase.GENERATING
+                        for s in self.scheduler.running())
+                and bool(self.rows()))
+
+    def launch(self, beside_window: bool) -> LaunchedText | None:
+        """One LLM step launched (right after the step's audio window is queued, with
+        ``beside_window``: it runs beside it) and collected after the window (:meth:`collect`),
+        or, while a chat stream's speech waits for text, first, with more steps beside the
+        window (:meth:`beside_window`)."""
         streams = self.rows()
         if not streams:
             return None
-        if not any(s.schedule is not None and s.schedule.phase is Phase.GENERATING
-                   for s in self.scheduler.running()):
-            return None
-        launched = self.runner.llm_launch([s.llm_slot for s in streams], self.chat.inputs(streams))
+        launched = self.runner.llm_launch([s.llm_slot for s in streams], self.chat.inputs(streams),
+                                          beside_window=beside_window)
         return LaunchedText(streams, launched)
 
     def collect(self, text: LaunchedText) -> None:
