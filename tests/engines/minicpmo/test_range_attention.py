@@ -84,15 +84,15 @@ def test_window_key_reads_counts_exactly_the_keys_the_rows_see():
     assert window_key_reads(x, 64, 5, 1025, "sdpa", CFG) == 64 * 5 * 1025
 
 
-def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype,
-                                   kv_dtype: str = "auto") -> None:
+def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype, kv_dtype: str = "auto",
+                                   heads: int = 4, head_dim: int = 64) -> None:
     """The kernel (as Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must be set before
     anything imports Triton, which transformers does) against the attention layer's own path
     off CUDA (rotary embedding, cache write, SDPA over the ranges' mask): the layer's output
     and both caches after the step, in the model's dtype or in fp8 with scales."""
     torch.manual_seed(kv_heads)
-    shape = DecoderShape(hidden_size=256, intermediate_size=64, num_layers=1, num_heads=4,
-                         num_kv_heads=kv_heads, rope_theta=10000.0, rms_norm_eps=1e-6,
+    shape = DecoderShape(hidden_size=heads * head_dim, intermediate_size=64, num_layers=1,
+                         num_heads=heads, num_kv_heads=kv_heads, rope_theta=10000.0, rms_norm_eps=1e-6,
                          qkv_bias=True)
     layer = SlotAttention(shape).to(dtype)
     layer.fuse_projections()
@@ -101,10 +101,10 @@ def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype,
         rows_all = torch.arange(7)[:, None, None].expand(7, 300, 1).reshape(7, 300)
         positions = torch.arange(300)[None].expand(7, 300)
         for store in (cache.all_keys, cache.all_values):
-            assert store.shape[1:] == (7, kv_heads, 300, 64)
+            assert store.shape[1:] == (7, kv_heads, 300, head_dim)
         cache.layers[0].write(rows_all[:, :1], positions,
-                              torch.randn(7, 300, kv_heads, 64).to(dtype),
-                              torch.randn(7, 300, kv_heads, 64).to(dtype))
+                              torch.randn(7, 300, kv_heads, head_dim).to(dtype),
+                              torch.randn(7, 300, kv_heads, head_dim).to(dtype))
     else:
         cache.all_keys.normal_()
         cache.all_values.normal_()
@@ -158,18 +158,21 @@ def check_kernel_against_the_layer(kv_heads: int, dtype: torch.dtype,
     torch.testing.assert_close(got.float(), want.float(), rtol=0.03, atol=0.03)
 
 
-@pytest.mark.parametrize("kv_heads,dtype,kv_dtype",
-                         [(4, "float32", "auto"), (2, "float32", "auto"),
-                          (4, "bfloat16", "auto"), (4, "float32", "fp8_e4m3"),
-                          (2, "bfloat16", "fp8_e4m3")],
+@pytest.mark.parametrize("kv_heads,dtype,kv_dtype,heads,head_dim",
+                         [(4, "float32", "auto", 4, 64), (2, "float32", "auto", 4, 64),
+                          (4, "bfloat16", "auto", 4, 64), (4, "float32", "fp8_e4m3", 4, 64),
+                          (2, "bfloat16", "fp8_e4m3", 4, 64), (1, "bfloat16", "auto", 7, 128)],
                          ids=["one-key-head-per-query-head", "grouped", "bfloat16", "fp8",
-                              "fp8-grouped-bfloat16"])
-def test_the_kernel_computes_what_the_attention_layer_computes(kv_heads, dtype, kv_dtype):
+                              "fp8-grouped-bfloat16", "qwen2-like-group-of-7-dim-128"])
+def test_the_kernel_computes_what_the_attention_layer_computes(kv_heads, dtype, kv_dtype, heads,
+                                                               head_dim):
+    """The last case has the chat LLM's head shape (Qwen2: 7 query heads per key/value head,
+    head dimension 128), whose decode step uses the kernel with ``visible_ranges``."""
     pytest.importorskip("triton")  # scripts/setup installs it with the test extra
     # a process of its own: the interpreter mode must be on before Triton is first imported
     code = ("import torch; from tests.engines.minicpmo.test_range_attention import "
             f"check_kernel_against_the_layer as check; check({kv_heads}, torch.{dtype}, "
-            f"{kv_dtype!r})")
+            f"{kv_dtype!r}, {heads}, {head_dim})")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
