@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_SCRIPTS = ["bench_engine", "bench_engine_wire", "bench_int4_kernels",
-                  "check_batch_invariance", "profile_audio_step", "project_gpu", "quant_accuracy",
-                  "roofline"]
+                  "check_batch_invariance", "llm_attention_numerics", "profile_audio_step",
+                  "project_gpu", "quant_accuracy", "roofline"]
 
 
 def test_no_script_edits_sys_path():

@@ -56,6 +56,13 @@ def llm_decode_step(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: tor
     """One decode step of rows ``rows`` of ``cache``; the next token per row, sampled along
     ``path`` (:func:`sample_next_token`). Attention reads the first ``key_count`` positions of
     the cache (default: all of it), which must hold every active row's ``position``."""
+    return sample_next_token(llm_decode_logits(llm, cache, x, rows, contiguous, key_count), x, path)
+
+
+def llm_decode_logits(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: torch.Tensor,
+                      contiguous: bool, key_count: int | None = None) -> torch.Tensor:
+    """:func:`llm_decode_step`'s forward pass: the rows' next-token logits [B, V] (their tokens'
+    keys and values written into the cache)."""
     keys = torch.arange(cache.max_positions + 1 if key_count is None else key_count,
                         device=x.token.device)
     visible = keys[None, :] <= x.position[:, None]
@@ -65,8 +72,7 @@ def llm_decode_step(llm: QwenLM, cache: SlotKVCache, x: LLMStepInputs, rows: tor
     seen = torch.where(x.active, x.position + 1, torch.ones_like(x.position))
     step = StepInputs(rows, x.position[:, None], write[:, None], visible[:, None, None, :],
                       contiguous, ranges=seen[:, None].expand(-1, 3))
-    hidden = llm.hidden_states(x.token[:, None], cache, step)
-    return sample_next_token(llm.logits(hidden[:, -1]), x, path)
+    return llm.logits(llm.hidden_states(x.token[:, None], cache, step)[:, -1])
 
 
 def sample_next_token(logits: torch.Tensor, x: LLMStepInputs, path: str = "auto") -> torch.Tensor:
