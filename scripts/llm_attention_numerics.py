@@ -24,6 +24,7 @@ is built (``--weights <checkpoint folder>`` runs on them).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -84,10 +85,13 @@ class Agreement:
 
 
 @torch.inference_mode()
-def measure(model, streams: int, steps: int, seed: int, longest_prompt: int) -> dict:
+def measure(model, streams: int, steps: int, seed: int, longest_prompt: int,
+            float32_reference: bool = False) -> dict:
     llm = model.llm
     device = next(llm.parameters()).device
     dtype = next(llm.parameters()).dtype
+    # The truth both bf16 paths round: the same weights in float32, its cache in float32
+    exact = copy.deepcopy(llm).float() if float32_reference else None
     vocab = llm.model.embed_tokens.num_embeddings
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, longest_prompt + 1, (streams,), generator=generator)
@@ -101,30 +105,47 @@ def measure(model, streams: int, steps: int, seed: int, longest_prompt: int) -> 
     tokens = llm.logits(hidden[rows, (lengths - 1).to(device)]).argmax(-1)
     floor, ranges = (SlotKVCache(model.config.llm, streams, positions_total, device, dtype)
                      for _ in range(2))
-    for copy in (floor, ranges):
-        copy.all_keys.copy_(reference.all_keys)
-        copy.all_values.copy_(reference.all_values)
+    for other in (floor, ranges):
+        other.all_keys.copy_(reference.all_keys)
+        other.all_values.copy_(reference.all_values)
+    if exact is not None:
+        exact_cache = SlotKVCache(model.config.llm, streams, positions_total, device,
+                                  torch.float32)
+        llm_prefill(exact, exact_cache, ids.to(device), valid.to(device), rows, True)
     spans = llm_key_spans(reference.max_positions + 1)
     positions = lengths.to(device)
     floor_arm, ranges_arm = Agreement(), Agreement()
+    sdpa_exact, ranges_exact = Agreement(), Agreement()
     for _ in range(steps):
         x = step_inputs(tokens, positions)
         want = llm_decode_logits(llm, reference, x, rows, True)
+        truth = (llm_decode_logits(exact, exact_cache, x, rows, True)
+                 if exact is not None else None)
         span = shortest_span(spans, int(positions.max()))
         floor_arm.add(want, llm_decode_logits(llm, floor, x, rows, True, span))
         set_one_query_attention(llm, "visible_ranges")
         try:
-            ranges_arm.add(want, llm_decode_logits(llm, ranges, x, rows, True))
+            by_ranges = llm_decode_logits(llm, ranges, x, rows, True)
         finally:
             set_one_query_attention(llm, "sdpa")
-        tokens = want.argmax(-1)  # teacher-forced: every arm is fed the reference's token
+        ranges_arm.add(want, by_ranges)
+        if truth is not None:
+            sdpa_exact.add(truth, want)
+            ranges_exact.add(truth, by_ranges)
+        # teacher-forced: every arm is fed the reference's token (the float32 one's, if run)
+        tokens = (truth if truth is not None else want).argmax(-1)
         positions = positions + 1
+    against_float32 = {} if exact is None else {"against_float32": {
+        "what": "each bf16 path against the same weights run in float32 (cache and all), "
+                "which also chose the tokens fed",
+        "sdpa": sdpa_exact.result(), "ranges_kernel": ranges_exact.result()}}
     return {"streams": streams, "steps": steps, "seed": seed,
             "prompt_tokens": summary(lengths.float().numpy()),
             "ranges_kernel": {"what": "visible ranges (the fused kernel on CUDA) against SDPA "
                                       "over the whole cache", **ranges_arm.result()},
             "floor": {"what": "SDPA over the shortest span against SDPA over the whole cache: "
-                              "two paths the engine already takes", **floor_arm.result()}}
+                              "two paths the engine already takes", **floor_arm.result()},
+            **against_float32}
 
 
 def main() -> None:
@@ -137,6 +158,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--longest-prompt", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--float32-reference", action="store_true",
+                        help="also run the LLM in float32 (a copy: 4 bytes a weight) and compare "
+                             "both bf16 paths with it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     on_cuda = args.device.startswith("cuda")
@@ -146,9 +170,11 @@ def main() -> None:
               "git_commit": git_commit(), "weights": args.weights, "dtype": str(dtype),
               "device": torch.cuda.get_device_name() if on_cuda else "cpu",
               "kernel_ran": on_cuda,
-              **measure(model, args.streams, args.steps, args.seed, args.longest_prompt)}
+              **measure(model, args.streams, args.steps, args.seed, args.longest_prompt,
+                        args.float32_reference)}
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("weights", "ranges_kernel", "floor")}, indent=1))
+    print(json.dumps({k: result.get(k) for k in ("weights", "ranges_kernel", "floor",
+                                                 "against_float32")}, indent=1))
 
 
 if __name__ == "__main__":
