@@ -1,6 +1,6 @@
 """Synthesizer replicas scaling on the engine's own queue, under a Locust ramp, on real GPUs.
 
-    scripts/bench_autoscale --gpus 1 --replica-gpus 0.5 --out docs/benchmarks/autoscale-h100.json
+    scripts/bench_autoscale --gpus 2 --replica-gpus 1 --out docs/benchmarks/autoscale-2gpu.json
 
 It starts ``serve_config.yaml`` as shipped (its autoscaling policy,
 ``serve_app.gpu.autoscaling:EngineQueuePolicy``) with the benchmark engine setting, the Synthesizer
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "bench-autoscale.log")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "autoscale-h100.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "autoscale-2gpu.json")
     args = parser.parse_args(argv)
     if (args.plateau_s > 0) != (args.plateau_streams > 0):
         parser.error("--plateau-streams and --plateau-s come together")

@@ -86,7 +86,10 @@ class EngineOptions:
     # reads only the key blocks each row sees (1.3-1.7x faster audio frames at 128-512 streams
     # on an H100) but compiles each captured batch shape at start (10-19 s each);
     # visible_ranges reads only the keys each row sees, two ranges per row, with a Triton
-    # kernel on CUDA (model/range_attention.py); the chat LLM keeps sdpa
+    # kernel on CUDA (model/range_attention.py), for the chat LLM's decode step too (flex: the
+    # LLM keeps sdpa). The LLM's next-token distribution moves by KL 0.0037 nats at temperature
+    # 0.7 on full-size random weights (p99 0.0050; two SDPA paths: 0.0008), 9e-6 on the tiny
+    # checkpoint; trained weights unmeasured (docs/benchmarks/llm-attention-numerics.json)
     one_query_attention: str = "sdpa"
     # DVAE + Vocos weights and activations: float32 (upstream's output to 1e-6) or bfloat16
     # (2.3-2.8x faster on an H100; its error: docs/benchmarks/README.md, "DVAE + Vocos in bf16");
