@@ -63,7 +63,6 @@ logger = logging.getLogger("autoscaler_nodes")
 
 TTFB_WINDOW_S = 10.0
 CUT_SHARE = 0.95  # a stream with less than this share of the text's audio was cut
-PACED_LEAD_S = 1.0  # the Synthesizer's Piper holds each stream until 1 s before it plays out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -290,11 +289,6 @@ def run(args: argparse.Namespace, cluster: AutoscalingLocalCluster, work: Path
     [port] = free_ports(1)
     base_url = f"http://127.0.0.1:{port}"
     config = fleet_app_config(port)
-    # Piper alone finishes a stream in a fraction of its audio on a fast machine, so the load
-    # would hold too few streams to ask for a second replica there: each stream is held as
-    # long as its audio plays (1 s ahead of its listener), as a GPU engine at load holds it.
-    [app] = config["applications"]
-    app["args"].setdefault("engine_options", {})["paced_lead_s"] = PACED_LEAD_S
     synthesizer = deployment_config(config, SYNTHESIZER)
     synthesizer["autoscaling_config"].update(upscale_delay_s=args.upscale_delay_s,
                                              downscale_delay_s=args.downscale_delay_s)

@@ -249,16 +249,22 @@ APP_NAME = "tts"
 SYNTHESIZER = "Synthesizer"
 GRACEFUL_SHUTDOWN_S = 300  # serve_config.yaml's Synthesizer: the longest stream, 4096 characters
 HEALTH_CHECK_TIMEOUT_S = 120  # Serve's default is 30 s
+PACED_LEAD_S = 1.0  # the Synthesizer's Piper holds each stream until 1 s before it plays out
 
 
 def fleet_app_config(port: int, config_path: Path = DEMO_CONFIG) -> dict[str, Any]:
     """The demo config on ``port``, with the Ingress asking for the head's :data:`FRONT`
     resource: a worker node that dies then takes only Synthesizer replicas with it (on a real
     cluster the Ingress goes to the head or a CPU node group); the Synthesizer drains as long as
-    a GPU profile's."""
+    a GPU profile's, and holds each stream as long as its audio plays."""
     config = copy.deepcopy(yaml.safe_load(config_path.read_text()))
     config.setdefault("http_options", {})["port"] = port
     [app] = config["applications"]
+    # Piper alone finishes a stream in a fraction of its audio on a fast machine: a stream
+    # would end before a node is lost or a rollout starts under it, and a load would hold too
+    # few streams to ask for a second replica. Each stream is held as long as its audio plays
+    # (1 s ahead of its listener), as a GPU engine at load holds it.
+    app["args"].setdefault("engine_options", {})["paced_lead_s"] = PACED_LEAD_S
     for deployment in app["deployments"]:
         if deployment["name"] == "Ingress":
             deployment.setdefault("ray_actor_options", {})["resources"] = {FRONT: 1}

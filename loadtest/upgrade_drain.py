@@ -63,9 +63,10 @@ from loadtest.service import haproxy_env_of_its_own
 from loadtest.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
 
 
-# About three minutes of speech, tens of seconds to make: the streams outlast the rollout's
-# first steps, so a replica being replaced still holds some (one paragraph's worth ended before
-# Serve stopped its replica on a quiet machine). --long-repeats says how many times LONG.
+# About three minutes of speech, held as long as it plays (fleet_app_config paces Piper): the
+# streams outlast the rollout's first steps, so a replica being replaced still holds some (one
+# paragraph's worth, unpaced, ended before Serve stopped its replica on a quiet machine).
+# --long-repeats says how many times LONG.
 LONG_REPEATS = 3
 # Serve's controller's line for each replica it stops (the rollout's), with its local time.
 STOPPING = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) controller \d+ -- "

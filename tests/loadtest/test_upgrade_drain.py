@@ -20,14 +20,15 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_rollout_drops_no_stream_and_fails_no_request(tmp_path: Path) -> None:
     done, report, leftovers = run_fleet_script(
-        # Streams of two minutes of speech (not three), so the rollout, which waits out the
-        # first replica's drain, ends sooner; the change deployed 2 s after each stream has its
-        # first audio (not 10), sent as `serve deploy` sends it but from the driver (the first
-        # deploy runs the command): the command's own start took up to 23 s on a busy machine.
-        # Serve then stops the first replica within seconds, tens of seconds before its streams
-        # end (the report's streams_in_flight_when_their_replica_stopped).
+        # Streams of one minute of speech (not three), each held as long as its audio plays
+        # (fleet_app_config paces Piper), so the rollout, which waits out the first replica's
+        # drain, ends sooner; the change deployed 2 s after each stream has its first audio
+        # (not 10), sent as `serve deploy` sends it but from the driver (the first deploy runs
+        # the command): the command's own start took up to 23 s on a busy machine. Serve then
+        # stops the first replica within seconds, tens of seconds before its streams end (the
+        # report's streams_in_flight_when_their_replica_stopped).
         "upgrade_drain", tmp_path / "upgrade.json",
-        ["--long-repeats", "2", "--before-deploy-s", "2", "--deploy-in-process"],
+        ["--long-repeats", "1", "--before-deploy-s", "2", "--deploy-in-process"],
         timeout_s=840)
     assert done.returncode == 0, (report.get("error"), done.stdout[-3000:])
     assert leftovers == [], "the run left Ray processes behind"
