@@ -1,8 +1,10 @@
-"""CUDA graph capture shared by the engine's step functions: one graph per batch bucket."""
+"""CUDA graph capture shared by the engine's step functions (one graph per batch bucket), and
+the CUDA streams their replays run on."""
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,6 +40,26 @@ def separate_capture_stream() -> torch.cuda.Stream:
         if stream.cuda_stream != default.cuda_stream:
             return stream
     raise RuntimeError("no CUDA stream other than the default capture stream")
+
+
+class FirstInLine:
+    """A CUDA stream of the device's highest priority (torch maps -100 to it) for work that
+    must not wait behind kernels on other streams: :meth:`queue` runs a block's work on it,
+    after the current stream's work so far and before what the current stream gets next, so
+    only work on other streams (an LLM step launched beside it) runs beside it and gets the SMs
+    it leaves, not the other way round."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device, priority=-100)
+
+    @contextlib.contextmanager
+    def queue(self) -> Iterator[None]:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            yield
+        current.wait_stream(self.stream)
 
 
 def capture_per_bucket(buckets: list[int], forward: Callable[[int], object],

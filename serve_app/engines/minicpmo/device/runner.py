@@ -10,7 +10,6 @@ graphs where it can. :func:`create_runner` makes that choice once, when the engi
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import time
 from typing import Sequence
@@ -37,6 +36,7 @@ from .audio_step import (
     window_key_reads,
 )
 from .decode_graphs import DecodedAudio, MultiLengthDecodeGraphs, queue_decode
+from .graphs import FirstInLine
 from .llm_step import (
     LLMPrefillGraphs,
     LLMStepGraphs,
@@ -102,9 +102,8 @@ class ModelRunner:
             fuse_projections(model.llm)
         set_one_query_attention(model.tts, options.one_query_attention)
         # The chat LLM's decode step reads 15 GB of weights and little cache: flex would only
-        # add a compile per captured shape to the start, so it keeps SDPA. With visible_ranges
-        # its rows' keys (one range: its positions so far) go to the same one kernel, which
-        # replaces the rotary, cache-write and attention launches of each of its 28 layers.
+        # add a compile per captured shape to the start, so it keeps SDPA; visible_ranges gives
+        # it the one kernel for rotary, cache write and attention (its rows' positions so far).
         self.llm_attention = ("sdpa" if options.one_query_attention == "flex"
                               else options.one_query_attention)
         set_one_query_attention(model.llm, self.llm_attention)
@@ -304,11 +303,7 @@ class GraphModelRunner(ModelRunner):
     def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
         super().__init__(model, options, penalty_width)
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
-        # The audio window and the decode run on a stream of the highest priority, in order
-        # with the current stream both ways (_first_in_line): an LLM step launched beside them
-        # (on a default-priority stream) takes the SMs they leave, not the other way round.
-        self._speech_stream = torch.cuda.Stream(
-            self.device, priority=-100)  # torch maps it to the device's highest
+        self._speech = FirstInLine(self.device)  # the audio window and the decode
         self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
                                             whole_span_only=self.reads_only_visible)
@@ -352,22 +347,12 @@ class GraphModelRunner(ModelRunner):
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
 
-    @contextlib.contextmanager
-    def _first_in_line(self):
-        """Work queued in the block runs on the high-priority speech stream, after the current
-        stream's work so far and before what the current stream gets next."""
-        current = torch.cuda.current_stream(self.device)
-        self._speech_stream.wait_stream(current)
-        with torch.cuda.stream(self._speech_stream):
-            yield
-        current.wait_stream(self._speech_stream)
-
     def launch_decode(self, frames: Sequence[list[list[int]]]) -> DecodedAudio:
         if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager
             eager = sum(not self.decoder.captured(len(f)) for f in frames)
             if eager:
                 self.work.update(decode_eager_pieces=eager)
-        with self._first_in_line():
+        with self._speech.queue():
             return super().launch_decode(frames)
 
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
@@ -401,7 +386,7 @@ class GraphModelRunner(ModelRunner):
         # what an LLM step launched beside this window waits for: the work queued before it
         self._window_queued = torch.cuda.Event()
         self._window_queued.record()
-        with self._first_in_line():
+        with self._speech.queue():
             return self.audio_graphs.launch(slots, inputs, shape)
 
 

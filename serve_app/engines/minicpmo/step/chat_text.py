@@ -39,19 +39,23 @@ class ChatTextSteps:
         self.chat = chat
 
     def rows(self) -> list[Stream]:
-        """Chat streams that want their next LLM token: text not done, below the lookahead."""
-        return [s for s in self.scheduler.running()
-                if s.plan.is_chat and not s.text_done and s.llm_slot >= 0
-                and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces]
+        """Chat streams that want their next LLM token (:meth:`wants_token`)."""
+        return [s for s in self.scheduler.running() if self.wants_token(s)]
+
+    def wants_token(self, s: Stream) -> bool:
+        """A chat stream whose text is not done, below the lookahead."""
+        return (s.plan.is_chat and not s.text_done and s.llm_slot >= 0
+                and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces)
 
     def overlaps(self) -> bool:
         """With ``overlap_llm_step``, while some stream's audio is generating and a chat stream
         wants its next token: the step's LLM step is launched beside its audio window
         (:meth:`launch`), not run in its plan (:meth:`decode`)."""
+        running = self.scheduler.running()
         return (self.options.overlap_llm_step
                 and any(s.schedule is not None and s.schedule.phase is Phase.GENERATING
-                        for s in self.scheduler.running())
-                and bool(self.rows()))
+                        for s in running)
+                and any(self.wants_token(s) for s in running))
 
     def launch(self, beside_window: bool) -> LaunchedText | None:
         """One LLM step launched (right after the step's audio window is queued, with
