@@ -114,10 +114,21 @@ def unknown_voice(voice: str, engine_voices: Sequence[str], aliases: Sequence[st
     return ApiError(400, message, param="voice", code="unknown_voice")
 
 
-def overloaded() -> ApiError:
-    """Every queue on the way is full; the caller should retry."""
-    return ApiError(503, "the service is at capacity; retry shortly", code="overloaded",
-                    error_type="service_unavailable")
+# Why a replica's engine refused a stream, as the answer says it (EngineOverloadedError.reason).
+OVERLOAD_REASONS = {
+    "work": "every replica's real-time budget is in use",
+    "wait": "no replica could start the stream in time",
+    "queue": "every queue on the way is full",
+    "voices": "every loaded voice is in use",
+}
+
+
+def overloaded(reason: str = "queue") -> ApiError:
+    """The request cannot be served in real time now; the caller should retry (503 with
+    ``Retry-After``, before any audio and any engine work for it)."""
+    why = OVERLOAD_REASONS.get(reason, OVERLOAD_REASONS["queue"])
+    return ApiError(503, f"the service is at capacity ({why}); retry shortly",
+                    code="overloaded", error_type="service_unavailable")
 
 
 def not_ready(message: str = "the speech engine is not available; retry shortly") -> ApiError:

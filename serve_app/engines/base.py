@@ -176,9 +176,38 @@ class EngineStats:
     # The audio each generating stream gets from one step: a step that takes longer falls behind
     # real time (0: the engine's steps have no fixed budget). The autoscaling policy reads it.
     step_budget_s: float = 0.0
+    # Admission by work (serve_app/engines/work_admission.py): the load committed now (admitted
+    # and queued streams' projected share of the real-time budget), the limit it is kept under,
+    # one more stream's load by kind, admissions and refusals by reason, and the refused
+    # streams' load (demand the autoscaler counts). 0 where the engine admits by slots alone.
+    work_load: float = 0.0
+    work_limit: float = 0.0
+    read_stream_load: float = 0.0
+    chat_stream_load: float = 0.0
+    cloned_stream_load: float = 0.0
+    streamed_stream_load: float = 0.0
+    admitted_streams: int = 0
+    refused_work: int = 0
+    refused_wait: int = 0
+    refused_queue: int = 0
+    refused_load: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+    def with_work(self, work: dict[str, float]) -> "EngineStats":
+        """These stats with an admission's snapshot (WorkAdmission.snapshot) in them."""
+        for name, value in work.items():
+            setattr(self, name, value)
+        return self
+
+    def headroom(self, kind: str = "read") -> float:
+        """How many more streams of ``kind`` fit the real-time budget now (0 when none; a large
+        number where the engine admits by slots alone)."""
+        cost = getattr(self, f"{kind}_stream_load", 0.0)
+        if self.work_limit <= 0 or cost <= 0:
+            return float(max(self.max_slots - self.active_streams - self.queued_streams, 0))
+        return max((self.work_limit - self.work_load) / cost, 0.0)
 
 
 class Engine(Protocol):

@@ -28,7 +28,18 @@ class InvalidRequestError(ValueError):
 
 
 class EngineOverloadedError(EngineError):
-    """No free slot and the engine's own queue is full; maps to 503 with Retry-After."""
+    """The engine cannot take the request now; maps to 503 with Retry-After. ``reason`` says
+    why: ``queue`` (its queue is full, or would start it too late), ``work`` (its real-time
+    budget is full), ``wait`` (it waited past its first audio's deadline), ``voices`` (every
+    loaded voice is held); see :mod:`serve_app.engines.work_admission`."""
+
+    def __init__(self, message: str, reason: str = "queue") -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # keeps the reason across processes
+        return (type(self), (self.message, self.reason))
 
 
 class RequestAbortedError(EngineError):

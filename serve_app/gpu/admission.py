@@ -35,7 +35,7 @@ Admitted = AsyncIterator[AudioChunk] | ApiError
 def refused(request_id: str, exc: BaseException) -> ApiError:
     """The ApiError for an engine's refusal of (or failure to take) a request."""
     if isinstance(exc, EngineOverloadedError):
-        return errors.overloaded()
+        return errors.overloaded(exc.reason)
     if isinstance(exc, InvalidRequestError):
         return errors.refused(exc)
     return errors.synthesis_unavailable(request_id, exc)  # the engine process is gone

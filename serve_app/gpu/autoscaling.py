@@ -13,10 +13,16 @@ over ``look_back_period_s``):
   step (its real-time budget), 0..; 1 means the engine only just keeps real time. It rises
   before TTFB breaks: a new stream's first chunk takes several steps, so TTFB grows with the
   step time long before any stream runs dry. (0 when the engine reports no budget: Piper.)
+- ``work_demand``: the work offered to the engine over the work its admission lets in
+  (serve_app/engines/work_admission.py): the load its streams commit plus the load of the
+  streams it refused since the last report, over its limit, 0..; above 1 means it is refusing
+  work. Admission by work keeps the engine itself under its limit, so this is the signal that
+  sees refused work as demand. (0 when the engine admits by slots.)
 
-:class:`EngineQueuePolicy` wants as many replicas as the largest of three demands:
-occupancy over ``target_occupancy``, step budget over ``target_step_budget``, and one more
-replica while streams wait (above ``waiting_streams_per_replica`` per replica). It scales in
+:class:`EngineQueuePolicy` wants as many replicas as the largest of four demands:
+occupancy over ``target_occupancy``, step budget over ``target_step_budget``, work demand over
+``target_work``, and one more replica while streams wait (above ``waiting_streams_per_replica``
+per replica). It scales in
 only when every signal says the remaining replicas would be below their targets, and Serve
 applies ``min_replicas`` / ``max_replicas``, ``upscale_delay_s`` and ``downscale_delay_s``
 around it (the policy's answer is only a wish; a scale-in must be wished for
@@ -38,20 +44,25 @@ from typing import Any
 WAITING_STREAMS = "waiting_streams"
 SLOT_OCCUPANCY = "slot_occupancy"
 STEP_BUDGET_USED = "step_budget_used"
-SIGNALS = (WAITING_STREAMS, SLOT_OCCUPANCY, STEP_BUDGET_USED)
+WORK_DEMAND = "work_demand"
+SIGNALS = (WAITING_STREAMS, SLOT_OCCUPANCY, STEP_BUDGET_USED, WORK_DEMAND)
 
 
 class EngineQueuePolicy:
     """Serve's custom autoscaling policy over the engines' reports (module docstring)."""
 
     def __init__(self, target_occupancy: float = 0.75, target_step_budget: float = 0.6,
-                 waiting_streams_per_replica: float = 1.0, scale_in_margin: float = 0.8) -> None:
+                 waiting_streams_per_replica: float = 1.0, scale_in_margin: float = 0.8,
+                 target_work: float = 0.8) -> None:
         if not 0 < target_occupancy <= 1:
             raise ValueError("target_occupancy must be in (0, 1]")
         if not target_step_budget > 0:
             raise ValueError("target_step_budget must be positive")
         if not 0 < scale_in_margin <= 1:
             raise ValueError("scale_in_margin must be in (0, 1]")
+        if not target_work > 0:
+            raise ValueError("target_work must be positive")
+        self.target_work = target_work
         self.target_occupancy = target_occupancy
         self.target_step_budget = target_step_budget
         self.waiting_streams_per_replica = waiting_streams_per_replica
@@ -73,6 +84,8 @@ class EngineQueuePolicy:
             "occupancy": occupancy / self.target_occupancy,
             # The busiest engine's step over its budget, scaled to the replicas there are.
             "step_budget": current * budget / self.target_step_budget,
+            # Work admitted and refused, summed over the replicas, over the target share.
+            "work": sum(r.get(WORK_DEMAND, 0.0) for r in reports.values()) / self.target_work,
             "waiting": (current + 1 if waiting > self.waiting_streams_per_replica * len(reports)
                         else 0),
         }
@@ -113,7 +126,7 @@ def _ongoing_requests_rule(ctx: Any) -> float:
 
 
 def engine_signals(now: Any, before: Any, waiting_for_admission: int) -> dict[str, float]:
-    """The three signals a Synthesizer replica reports, from its engine's ``EngineStats`` now
+    """The four signals a Synthesizer replica reports, from its engine's ``EngineStats`` now
     and at its last report (``before``, None for the first): the step time is the mean over the
     steps run in between (0 when none ran: an idle engine uses none of its budget)."""
     slots = now.max_slots or 1
@@ -121,6 +134,8 @@ def engine_signals(now: Any, before: Any, waiting_for_admission: int) -> dict[st
     busy_s = now.step_seconds - (before.step_seconds if before is not None else 0.0)
     step_s = busy_s / steps if steps > 0 else 0.0
     budget = step_s / now.step_budget_s if now.step_budget_s > 0 else 0.0
+    refused = now.refused_load - (before.refused_load if before is not None else 0.0)
+    demand = (now.work_load + refused) / now.work_limit if now.work_limit > 0 else 0.0
     return {WAITING_STREAMS: float(waiting_for_admission + now.queued_streams),
             SLOT_OCCUPANCY: now.active_streams / slots,
-            STEP_BUDGET_USED: budget}
+            STEP_BUDGET_USED: budget, WORK_DEMAND: demand}

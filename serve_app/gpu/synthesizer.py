@@ -44,6 +44,7 @@ from serve_app.gpu.engine_client import (
 )
 from serve_app.gpu.engine_watch import EngineWatch, exit_soon, rss_bytes
 from serve_app.gpu.replica_voices import ReplicaVoices
+from serve_app.gpu.routing import routing_stats
 from serve_app.gpu.text_inbox import InboxReader, start_inbox
 from serve_app.hops import StreamTimeout, within
 from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
@@ -155,7 +156,12 @@ class Synthesizer:
 
     async def _admitted(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
         """Load the request's stored voice if need be, wait for the request's batch to be
-        submitted, then relay its engine stream."""
+        submitted, then relay its engine stream. A stream in a stored voice that the engine
+        has no room for is refused before its voice is loaded (the engine's last stats)."""
+        stats = self._engine.stats()
+        if is_voice_id(request.voice) and stats.work_limit > 0 and stats.headroom(request.mode) < 1:
+            yield errors.overloaded("work")
+            return
         admitted = await self._voices.admit(request, self._admission)
         self._watch.waiting_for_admission.discard(request.request_id)
         if isinstance(admitted, ApiError):
@@ -176,6 +182,11 @@ class Synthesizer:
 
     def ready(self) -> bool:
         return self._ready
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """What the Synthesizer's request router reads (serve_app/gpu/routing.py): how many
+        more read and chat streams this replica's engine has room for now."""
+        return routing_stats(self._engine.stats(), time.monotonic())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What the Synthesizer's autoscaling policy reads (serve_app/gpu/autoscaling.py): streams

@@ -44,6 +44,8 @@ ENGINE_STEPS_TOTAL = "tts_engine_steps_total"
 ENGINE_STEP_SECONDS_TOTAL = "tts_engine_step_seconds_total"
 ENGINE_STREAMS_TOTAL = "tts_engine_streams_total"
 ENGINE_DEVICE_MEMORY_PEAK = "tts_engine_device_memory_peak_bytes"
+ENGINE_WORK_LOAD = "tts_engine_work_load"
+ENGINE_ADMISSIONS_TOTAL = "tts_engine_admissions_total"
 
 ALL_METRICS: tuple[str, ...] = (
     TTFB_SECONDS, HTTP_STREAMS_ACTIVE, ERRORS_TOTAL, REAL_TIME_FACTOR, AUDIO_SECONDS_TOTAL,
@@ -156,6 +158,15 @@ class SynthesizerMetrics:
                                 "outcome", tag_keys=("outcome",))
         self._memory_peak = Gauge(ENGINE_DEVICE_MEMORY_PEAK, description="Most GPU memory the "
                                   "engine's allocator has held since it started (0 on CPU)")
+        self._work = Gauge(ENGINE_WORK_LOAD, description="The engine's real-time budget: the "
+                           "load its admitted and queued streams commit (value=committed), "
+                           "the limit admission keeps it under (value=limit), 1 = just real "
+                           "time; 0 where it admits by slots", tag_keys=("value",))
+        self._admissions = Counter(ENGINE_ADMISSIONS_TOTAL, description="Streams the engine "
+                                   "admitted (outcome=admitted) or refused with a 503, by "
+                                   "reason: work (real-time budget full), wait (could not "
+                                   "start in time), queue (queue full)",
+                                   tag_keys=("outcome", "reason"))
         self._last = EngineStats()
 
     @_never_raises
@@ -178,4 +189,13 @@ class SynthesizerMetrics:
             grown = getattr(stats, outcome) - getattr(last, outcome)
             if grown > 0:
                 self._streams.inc(grown, tags={"outcome": outcome})
+        self._work.set(stats.work_load, tags={"value": "committed"})
+        self._work.set(stats.work_limit, tags={"value": "limit"})
+        if stats.admitted_streams > last.admitted_streams:
+            self._admissions.inc(stats.admitted_streams - last.admitted_streams,
+                                 tags={"outcome": "admitted", "reason": "fits"})
+        for reason in ("work", "wait", "queue"):
+            grown = getattr(stats, f"refused_{reason}") - getattr(last, f"refused_{reason}")
+            if grown > 0:
+                self._admissions.inc(grown, tags={"outcome": "refused", "reason": reason})
         self._last = stats

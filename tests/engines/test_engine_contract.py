@@ -54,7 +54,8 @@ def engine(request):
         engine = tiny_engine(request.getfixturevalue("tiny_checkpoint"), max_slots=3,
                              max_chat_slots=1)
     else:
-        engine = create_engine("piper", {"intra_op_threads": 2, "max_batch_size": 4})
+        engine = create_engine("piper", {"intra_op_threads": 2, "max_batch_size": 4,
+                                         "admission": "slots"})
     yield engine
     engine.close()
 

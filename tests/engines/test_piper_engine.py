@@ -114,7 +114,7 @@ def test_unseeded_requests_still_speak(engine: PiperEngine) -> None:
 
 
 def test_first_piece_is_held_short_for_a_fast_first_chunk() -> None:
-    engine = PiperEngine.from_options(first_piece_phonemes=40)
+    engine = PiperEngine.from_options(first_piece_phonemes=40, admission="slots")
     text = ("This opening sentence, which is long on purpose, keeps going for quite a while "
             "before it ends.")
     pieces = engine._phonemizer.phonemize(text)
@@ -131,8 +131,9 @@ def test_a_paced_stream_lives_as_long_as_its_audio_plays() -> None:
     lead_s = 0.3
     text = ("One sentence to begin with. A second one follows it. Then a third sentence comes. "
             "And a fourth one ends the text.")
-    paced = PiperEngine.from_options(paced_lead_s=lead_s, max_batch_size=4)
-    plain = PiperEngine.from_options(max_batch_size=4)
+    paced = PiperEngine.from_options(paced_lead_s=lead_s, max_batch_size=4,
+                                     admission="slots")
+    plain = PiperEngine.from_options(max_batch_size=4, admission="slots")
 
     async def timed(engine: PiperEngine) -> tuple[list[float], list, list[int]]:
         times, chunks, active = [], [], []

@@ -40,7 +40,7 @@ def piper():
 def minicpmo(tiny_checkpoint):
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
-                            max_slots=4, max_chat_slots=2, tts_max_positions=1024,
+                            admission="slots", max_slots=4, max_chat_slots=2, tts_max_positions=1024,
                             llm_max_positions=256, tts_sampling="greedy")
     engine = MiniCPMOEngine(model, options)
     yield engine

@@ -120,7 +120,10 @@ def serve_piper_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = AppArgs(
             engine="piper",
-            engine_options={"intra_op_threads": 2, "max_batch_size": 8},
+            # Admission by slots: these tests check the API with streams side by side on a machine
+            # shared with other work, where measured load would refuse some (admission by work
+            # is tested on the CPU profile, tests/serving/test_overload.py)
+            engine_options={"intra_op_threads": 2, "max_batch_size": 8, "admission": "slots"},
             # A generous wait so requests fired together surely share a batch.
             batching=BatchingConfig(max_batch_size=8, batch_wait_timeout_s=0.2,
                                     max_concurrent_batches=4),

@@ -53,6 +53,7 @@ def hardened_args(keys_file: Path) -> AppArgs:
     return AppArgs(
         engine="piper",
         engine_options={"intra_op_threads": 1, "max_batch_size": 8, "first_piece_phonemes": 50,
+                        "admission": "slots",
                         "fault_injection": {"fail_request_text": FAIL,
                                             "crash_process_text": CRASH,
                                             "stall_request_text": STALL,

@@ -24,12 +24,13 @@ from ..base import (AudioChunk, EngineStats, OutputSink, SpeechRequest, SubmitsI
                     refuse_unsupported)
 from ..streamed_text import StreamedText
 from ..text_rule import MAX_TEXT_CHARS
+from ..work_admission import WorkAdmission
 from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
 from .cloning import VoiceCloner
 from .device.placement import DECODE_DTYPES, resolved_device, resolved_dtype
 from .device.runner import create_runner
-from .model.codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
+from .model.codec import SAMPLE_RATE_HZ
 from .model.loader import LoadedModel, load_speech_model
 from .model.quantization import resolve_mode
 from .options import EngineOptions, clones_voices
@@ -117,8 +118,12 @@ class MiniCPMOEngine(SubmitsIterators):
         self._gen_prompt_ids = tok(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]
         chat = ChatText(tok, self._gen_prompt_ids, options.llm_max_positions)
         self._terminators = chat.terminators
+        work = WorkAdmission(options.admission, options.admission_margin,
+                             options.first_audio_deadline_s, options.max_slots,
+                             options.max_chat_slots)
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
-                                    options.admission_interval_steps)
+                                    options.admission_interval_steps, work,
+                                    options.prefill_prompts)
         model.decoder.to(DECODE_DTYPES[options.decode_dtype])  # before the runner captures it
         self._runner = create_runner(model, options, chat.penalty_width)
         if self._runner.device.type == "cuda":
@@ -245,7 +250,7 @@ class MiniCPMOEngine(SubmitsIterators):
 
     def stats(self) -> EngineStats:
         stats = self._scheduler.stats()
-        stats.step_budget_s = self.options.steps_per_sync * SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ
+        stats.step_budget_s = self._loop.step_budget_s
         if self._runner.device.type == "cuda":
             stats.device_memory_peak_bytes = torch.cuda.max_memory_reserved(self._runner.device)
         return stats

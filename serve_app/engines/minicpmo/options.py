@@ -41,6 +41,15 @@ class EngineOptions:
     max_slots: Positive = 64
     max_chat_slots: NonNegative = 32
     max_queued: NonNegative = 256
+    # who gets a slot: "work" admits a stream only while the engine's projected step stays
+    # inside its real-time budget less admission_margin, each kind's cost measured as the
+    # engine runs; what does not fit is refused at once (503, Retry-After), and a queued stream
+    # is refused once its first audio could no longer come within first_audio_deadline_s
+    # (serve_app/engines/work_admission.py). "slots": any free slot admits and the queue waits
+    # (the rule before; past capacity every stream turns late)
+    admission: Literal["work", "slots"] = "work"
+    admission_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
+    first_audio_deadline_s: Annotated[float, Field(gt=0.0)] = 0.5
     tts_max_positions: Positive = 1536
     llm_max_positions: Positive = 2048
     chunk_frames: Positive = 25

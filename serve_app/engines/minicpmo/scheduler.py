@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..base import (
     EngineOverloadedError,
     EngineStats,
@@ -25,6 +27,7 @@ from .device.runner import pass_fits
 from .joiner import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
+from ..work_admission import STREAM_KINDS, StreamWork, WorkAdmission
 from .voices import VoicePrefix
 from .word_times import ReleasedWords
 
@@ -85,6 +88,12 @@ class Stream:
     chunks_sent: int = 0
     done: bool = False
     words: ReleasedWords | None = None  # with word_times: its words as their text is released
+    committed: bool = False  # its work counts in the engine's admission (submission to end)
+    work: StreamWork = field(init=False)  # what it costs the engine (STREAM_KINDS)
+
+    def __post_init__(self) -> None:
+        self.work = StreamWork(chat=self.plan.is_chat, cloned=self.voice is not None,
+                               streamed=self.plan.text_feed is not None)
 
     @property
     def request_id(self) -> str:
@@ -118,7 +127,8 @@ class Scheduler:
     packed at the low end, where the CUDA graphs' batch buckets start."""
 
     def __init__(self, max_slots: int, max_chat_slots: int, max_queued: int,
-                 admission_interval_steps: int) -> None:
+                 admission_interval_steps: int, work: WorkAdmission,
+                 admissions_per_step: int) -> None:
         self.lock = threading.Lock()
         self.pending: collections.deque[Stream] = collections.deque()
         self.active: dict[str, Stream] = {}
@@ -128,19 +138,26 @@ class Scheduler:
         self._free_llm_slots = list(range(max_chat_slots))
         self._max_queued = max_queued
         self._admission_interval = max(admission_interval_steps, 1)
+        self.work = work  # admission by work (or slots): the gate at enqueue
+        self._admissions_per_step = admissions_per_step
         self._stats = EngineStats(max_slots=max_slots)
 
     # ---- callers' threads ------------------------------------------------------------------
 
     def enqueue(self, streams: list[Stream]) -> None:
-        """Queue new streams, all or none: raises when the queue is full or an id is taken."""
+        """Queue new streams, all or none: raises when the queue is full, their work does not
+        fit the engine's real-time budget (:class:`WorkAdmission`) or an id is taken."""
         with self.lock:
             if len(self.pending) + len(streams) > self._max_queued:
-                raise EngineOverloadedError("engine queue is full")
+                raise EngineOverloadedError("engine queue is full", "queue")
             ids = [s.request_id for s in streams]
             if len(set(ids)) < len(ids) or any(
                     i in self.active or any(s.request_id == i for s in self.pending) for i in ids):
                 raise InvalidRequestError("duplicate request id", "request_id")
+            self.work.take([s.work for s in streams], queued_ahead=len(self.pending),
+                           admissions_per_step=self._admissions_per_step)
+            for stream in streams:
+                stream.committed = True
             self.pending.extend(streams)
             self._streamed.update((s.request_id, s) for s in streams if s.fed_text is not None)
 
@@ -165,7 +182,30 @@ class Scheduler:
         with self.lock:
             self._stats.active_streams = len(self.active)
             self._stats.queued_streams = len(self.pending)
-            return EngineStats(**self._stats.as_dict())
+            stats = EngineStats(**self._stats.as_dict())
+        return stats.with_work(self.work.snapshot())
+
+    def open_by_kind(self) -> np.ndarray:
+        """The running streams by kind (STREAM_KINDS counts), for the admission's step model."""
+        counts = np.zeros(len(STREAM_KINDS))
+        for stream in self.active.values():
+            counts += stream.work.vector()
+        return counts
+
+    def expire_waiting(self, now: float) -> list[Stream]:
+        """Queued streams whose first audio can no longer come in time (admission by work):
+        out of the queue, their work released; the caller refuses them."""
+        with self.lock:
+            if not self.pending:
+                return []
+            late = self.work.expired([now - s.submitted_at for s in self.pending])
+            if not any(late):
+                return []
+            expired = [s for s, gone in zip(self.pending, late) if gone]
+            self.pending = collections.deque(s for s, gone in zip(self.pending, late) if not gone)
+        for stream in expired:
+            stream.committed = False
+        return expired
 
     # ---- step thread -----------------------------------------------------------------------
 
@@ -182,6 +222,8 @@ class Scheduler:
             taken = [s for s in self.pending if s.request_id in aborts]
             self.pending = collections.deque(s for s in self.pending if s.request_id not in aborts)
             self._stats.aborted += len(taken)
+        for stream in taken:
+            self._uncommit(stream)
         for request_id in aborts:
             stream = self.active.get(request_id)
             if stream is not None:
@@ -225,8 +267,14 @@ class Scheduler:
                 heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.llm_slot = -1
 
+    def _uncommit(self, stream: Stream) -> None:
+        if stream.committed:
+            stream.committed = False
+            self.work.release(stream.work)
+
     def release(self, stream: Stream) -> None:
-        """The stream leaves: its slots are free for the next admission."""
+        """The stream leaves: its slots and its work are free for the next admission."""
+        self._uncommit(stream)
         self.active.pop(stream.request_id, None)
         with self.lock:
             self._streamed.pop(stream.request_id, None)

@@ -41,6 +41,7 @@ from .chat import ChatText
 from .device.audio_step import AudioStepInputs
 from .device.runner import DecodedAudio, ModelRunner
 from .device.transfer import HostCopy
+from .model.codec import SAMPLE_RATE_HZ, SAMPLES_PER_CODE_FRAME
 from .model.loader import LoadedModel
 from .options import EngineOptions
 from .output import join_decoded
@@ -101,6 +102,8 @@ class StepLoop:
         self._step_index = 0  # this step's number (admission_interval_steps counts them)
         self._window_ran = False  # the last step ran an audio window (admission: _plan)
         self._pending_decode: PendingDecode | None = None
+        # the audio each generating stream gets from one step: the real-time budget
+        self.step_budget_s = options.steps_per_sync * SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="minicpmo-engine", daemon=True)
@@ -131,6 +134,7 @@ class StepLoop:
                 continue
             started_s = self.record.start()
             cpu_started_s = time.thread_time()
+            open_by_kind = self.scheduler.open_by_kind()
             try:
                 with torch.inference_mode():
                     self._step()
@@ -148,6 +152,8 @@ class StepLoop:
             step_s = time.perf_counter() - started_s
             self.scheduler.count_step_time(step_s, time.thread_time() - cpu_started_s)
             self.admission.audio_cuts.observe(step_s)
+            # the step's load against what ran in it (the streams open when it began)
+            self.scheduler.work.observe_step(open_by_kind, step_s / self.step_budget_s, step_s)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""
@@ -168,6 +174,7 @@ class StepLoop:
         whose audio is generating run a window."""
         self._step_index = next(self._step_counter)
         self.endings.end_aborted()
+        self.endings.refuse_late(time.perf_counter())
         if self._faults is not None:
             inject_faults(self._faults, self.scheduler.running(), self.endings.fail)
         # An engine with no running stream, or whose last step ran no audio window, admits
@@ -313,8 +320,12 @@ class StepLoop:
             return
         audio = pending.audio.wait() if pending.audio is not None else []
         outbox = self.endings.outbox
+        silent = [s for s, _ in pending.decoded if s.first_audio_at is None]
         join_decoded(outbox, [(s, j, a) for (s, j), a in zip(pending.decoded, audio)
                               if not s.done], pending.jobs)
+        for stream in silent:  # how long a first audio takes after admission, for the queue
+            if stream.first_audio_at is not None and stream.admitted_at is not None:
+                self.scheduler.work.observe_first_audio(stream.first_audio_at - stream.admitted_at)
         for stream, _ in pending.jobs:
             if not stream.done and stream.schedule.phase is Phase.DONE:
                 self.endings.complete(stream)

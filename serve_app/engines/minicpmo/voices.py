@@ -184,5 +184,5 @@ class VoiceTable:
         if len(idle) < excess:
             raise EngineOverloadedError(
                 f"all {self.max_voices} loaded voices are in use by streams; add the voice again "
-                "when one of them has finished")
+                "when one of them has finished", "voices")
         return idle[:excess]

@@ -6,7 +6,7 @@ builds the app (:class:`serve_app.config.AppArgs`), before any replica starts.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
@@ -37,6 +37,12 @@ class PiperOptions:
     # fleet runs' stand-in for one, where Piper alone finishes a stream in a fraction of its
     # audio on a fast machine). None: every stream as fast as the steps go.
     paced_lead_s: Annotated[float, Field(ge=0)] | None = None
+    # who is admitted: "work" admits a stream only while the open streams' projected load (the
+    # engine seconds they need per second of real time, measured as it runs) stays under
+    # 1 - admission_margin, and refuses the rest at once (serve_app/engines/work_admission.py);
+    # "slots": max_batch_size + max_queued_streams streams, however slow they all get
+    admission: Literal["work", "slots"] = "work"
+    admission_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.2
     fault_injection: dict | None = None  # tests only: fail/crash markers (see engines/faults.py)
 
     @property

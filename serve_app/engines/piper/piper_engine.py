@@ -41,9 +41,12 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from typing import Any
+
+import numpy as np
 
 from piper import PiperVoice
 from piper.config import PiperConfig
@@ -71,6 +74,7 @@ from serve_app.engines.piper.piper_text import VOICE_NAME, Phonemizer, check_req
 from serve_app.engines.piper.piper_voice import load_voice, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 from serve_app.engines.text_rule import MAX_TEXT_CHARS
+from serve_app.engines.work_admission import STREAM_KINDS, StreamWork, WorkAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +93,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
                  noise_scale: float | None = None, noise_w_scale: float | None = None,
                  max_sentence_phonemes: int = 400, first_piece_phonemes: int = 0,
                  max_queued_streams: int = 256, paced_lead_s: float | None = None,
+                 admission: str = "work", admission_margin: float = 0.2,
                  fault_injection: dict[str, Any] | FaultInjection | None = None) -> None:
         self._voice = voice
         # piper-tts's espeak bridge leaks every clause it phonemizes (see espeak_refs).
@@ -110,6 +115,9 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         self._faults = FaultInjection.from_options(fault_injection)
         self._streams: OrderedDict[str, PiperStream] = OrderedDict()
         self._stats = EngineStats(max_slots=self.max_batch_size)
+        # Admission by work: no queue here (every held stream is stepped round robin), so only
+        # the gate at submission; the deadline never applies.
+        self._work = WorkAdmission(admission, admission_margin, math.inf, self.max_batch_size, 0)
         # One worker: ONNX Runtime parallelises inside a step; steps themselves are sequential.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="piper-step")
         self._wakeup: asyncio.Event | None = None
@@ -141,7 +149,8 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         for request in requests:
             self.validate(request)
         if len(self._streams) + len(requests) > self.max_batch_size + self._max_queued_streams:
-            raise EngineOverloadedError("engine queue is full")
+            raise EngineOverloadedError("engine queue is full", "queue")
+        self._work.take([_work_of(request) for request in requests])
         self._ensure_loop()
         now = time.perf_counter()
         for request in requests:
@@ -168,13 +177,14 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self._work.release(_work_of(stream.request))
         self._stats.aborted += 1
         self._refresh_gauges()
         deliver_to(stream.sink,
                    [(request_id, RequestAbortedError(f"request {request_id} aborted"))])
 
     def stats(self) -> EngineStats:
-        return EngineStats(**self._stats.as_dict())
+        return EngineStats(**self._stats.as_dict()).with_work(self._work.snapshot())
 
     def warmup(self) -> None:
         ids = self._phonemizer.pieces(_WARMUP_TEXT)[0].ids
@@ -211,8 +221,11 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
                     pass
                 continue
             started_s = time.perf_counter()
+            open_by_kind = sum((_work_of(s.request).vector() for s in self._streams.values()),
+                               np.zeros(len(STREAM_KINDS)))
             results = await loop.run_in_executor(self._executor, self._step, streams)
             step_s = time.perf_counter() - started_s
+            self._observe_load(open_by_kind, results, step_s)
             outbox = Outbox()
             self._stats.steps += 1
             self._stats.step_seconds += step_s
@@ -222,6 +235,21 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
                 self._deliver(outbox, stream, result, step_s)
             outbox.deliver()
             self._refresh_gauges()
+
+    def _observe_load(self, open_by_kind: np.ndarray, results: list[StepResult],
+                      step_s: float) -> None:
+        """The step's load for admission by work: the open streams need one second of audio a
+        second each, and this step made its audio at ``step_s`` over the seconds it made."""
+        made_s = sum(len(r.samples) for r in results
+                     if r is not None and not isinstance(r, BaseException)) / self.sample_rate_hz
+        if made_s > 0:
+            self._work.observe_step(open_by_kind, open_by_kind[:2].sum() * step_s / made_s,
+                                    step_s)
+
+    def _forget(self, stream: PiperStream) -> None:
+        """The stream leaves the engine (finished or failed): its work is free."""
+        if self._streams.pop(stream.request.request_id, None) is not None:
+            self._work.release(_work_of(stream.request))
 
     def _next_streams(self) -> list[PiperStream]:
         """Round robin: the first ``max_batch_size`` streams, then move them to the back."""
@@ -255,7 +283,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         if action == "crash":
             crash_process(request_id)
         if action == "fail":
-            self._streams.pop(request_id, None)
+            self._forget(stream)
             self._stats.failed += 1
             logger.error("request %s failed: injected fault", request_id)
             deliver_to(stream.sink,
@@ -275,7 +303,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         if self._streams.get(request_id) is not stream or stream.waits_for_text(result):
             return  # aborted while the step ran, or streamed text without speech (yet)
         if isinstance(result, BaseException):
-            self._streams.pop(request_id, None)
+            self._forget(stream)
             self._stats.failed += 1
             logger.error("request %s failed: %r", request_id, result)
             outbox.put(stream.sink, request_id, EngineError("speech synthesis failed"))
@@ -288,10 +316,15 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             played_out_s = stream.first_audio_s + stream.samples_emitted / self.sample_rate_hz
             stream.paced_until_s = played_out_s - self._paced_lead_s
         if chunk.final:
-            self._streams.pop(request_id, None)
+            self._forget(stream)
             self._stats.completed += 1
         outbox.put(stream.sink, request_id, chunk)
 
     def _refresh_gauges(self) -> None:
         self._stats.active_streams = min(len(self._streams), self.max_batch_size)
         self._stats.queued_streams = max(0, len(self._streams) - self.max_batch_size)
+
+
+def _work_of(request: SpeechRequest) -> StreamWork:
+    """What a Piper stream costs: read (Piper has no chat), streamed text or not."""
+    return StreamWork(streamed=request.text_input == "streamed")

@@ -27,7 +27,8 @@ ANSWER_TOKENS = 9
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
-    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
+    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                            admission="slots", max_slots=4,
                             max_chat_slots=3, tts_max_positions=1024, llm_max_positions=256)
     engine = MiniCPMOEngine(model, options)
     yield engine
@@ -96,7 +97,7 @@ def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
 
     def answers(overlap: bool) -> tuple[list[str], int]:
         options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
-                                max_slots=4, max_chat_slots=3, tts_max_positions=1024,
+                                admission="slots", max_slots=4, max_chat_slots=3, tts_max_positions=1024,
                                 llm_max_positions=256, overlap_llm_step=overlap)
         engine = MiniCPMOEngine(model, options)
         try:

@@ -133,6 +133,7 @@ def test_prefill_budgets_spread_admissions_over_passes(tiny_checkpoint) -> None:
     for budget, limits in budgets.items():
         engine = MiniCPMOEngine(model, EngineOptions(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
+            admission="slots",
             max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,
             tts_sampling="greedy", keep_traces=True, **limits))
         try:

@@ -28,7 +28,7 @@ CHANGED_BEFORE_CUT, CHANGED_AFTER_CUT = 10, 6
 def early_engine(tiny_checkpoint):
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
-                            max_slots=4, max_chat_slots=2, tts_max_positions=1024,
+                            admission="slots", max_slots=4, max_chat_slots=2, tts_max_positions=1024,
                             llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
                             first_chunk_frames=FIRST_CHUNK_FRAMES,
                             first_chunk_follows_load=False)
@@ -136,6 +136,7 @@ def speak_golden_case(checkpoint, case: str, as_if_loaded, **options) -> tuple[l
     model = load_speech_model(str(checkpoint), device="cpu", dtype=torch.float32)
     engine = MiniCPMOEngine(model, EngineOptions(
         model=str(checkpoint), device="cpu", dtype="float32", max_slots=4, max_chat_slots=2,
+        admission="slots",
         tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
         first_chunk_frames=10, **options))
     try:

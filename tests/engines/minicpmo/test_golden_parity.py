@@ -39,7 +39,8 @@ def window_engine(request, tiny_checkpoint):
     two ranges of keys each row sees (on the CPU: SDPA over the ranges' mask, so the ranges the
     audio step derives are what is checked), instead of torch's fused kernel."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
-    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
+    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                            admission="slots", max_slots=4,
                             max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,
                             tts_sampling="greedy", keep_traces=True, **request.param)
     engine = MiniCPMOEngine(model, options)

@@ -20,7 +20,8 @@ INSTRUCTIONS = "Speak slowly, in a warm and cheerful voice."
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
-    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_slots=4,
+    options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                            admission="slots", max_slots=4,
                             max_chat_slots=2, tts_max_positions=1024, llm_max_positions=256,
                             tts_sampling="greedy", max_segment_frames=100)
     engine = MiniCPMOEngine(model, options)

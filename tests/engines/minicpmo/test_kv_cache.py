@@ -98,7 +98,7 @@ def test_the_engine_speaks_through_an_fp8_tts_cache(tiny_checkpoint):
     scripts/kv_cache_numerics.py, docs/benchmarks/kv-fp8-numerics.json."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
-                            max_slots=2, max_chat_slots=1, tts_max_positions=1024,
+                            admission="slots", max_slots=2, max_chat_slots=1, tts_max_positions=1024,
                             llm_max_positions=256, tts_sampling="greedy", keep_traces=True,
                             tts_kv_cache_dtype="fp8_e4m3", one_query_attention="visible_ranges")
     engine = MiniCPMOEngine(model, options)

@@ -140,7 +140,7 @@ def speaker_hidden(model) -> torch.Tensor:
 
 def read_audio(model) -> np.ndarray:
     options = EngineOptions(device="cpu", dtype="float32", max_slots=2, max_chat_slots=1,
-                            tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy")
+                            admission="slots", tts_max_positions=1024, llm_max_positions=256, tts_sampling="greedy")
     engine = MiniCPMOEngine(model, options)
 
     async def run() -> np.ndarray:

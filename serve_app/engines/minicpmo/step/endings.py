@@ -52,6 +52,14 @@ class StreamEndings:
             stream.done = True
             send(self.outbox, stream, RequestAbortedError("aborted"))
 
+    def refuse_late(self, now: float) -> None:
+        """Refuse the queued streams whose first audio can no longer come in time (admission
+        by work): nothing was spent on them; each gets the engine's overload error."""
+        for stream in self.scheduler.expire_waiting(now):
+            self._release_voice(stream)
+            stream.done = True
+            send(self.outbox, stream, self.scheduler.work.refuse_waiting(stream.work))
+
     def _release_voice(self, stream: Stream) -> None:
         """The stream no longer holds its voice (the table may drop it again)."""
         self.voices.release([stream.voice])

@@ -1,0 +1,251 @@
+"""Admission by work: a stream starts only while the engine can keep it real-time.
+
+Counting slots admits a chat stream as if it cost what a read stream costs; an engine whose
+slots hold twice the work it can speak then lets every stream run late. Here each engine keeps a
+model of its own step, measured as it runs, and admits a stream only while the projected load
+stays inside its real-time budget with a margin (``admission_margin``). What does not fit is
+refused at once, before any work is spent on it, with an :class:`EngineOverloadedError` whose
+``reason`` says why (the service answers 503 with ``Retry-After``).
+
+**Load** is the share of its real-time budget the engine's step uses: for MiniCPM-o the step's
+time over the audio each stream gets from one step (``EngineStats.step_budget_s``); for Piper,
+the engine seconds its open streams need per second to be spoken in real time (its streams
+times its recent engine seconds per audio second). 1.0 means the engine only just keeps real
+time.
+
+**The model** (:class:`StepLoadModel`): load = intercept + the sum over open streams of their
+kind's cost, with one cost per :data:`STREAM_KINDS` feature: a read stream, a chat stream, and
+the extra of a cloned voice and of streamed-in text. It is fitted by least squares over the
+engine's recent steps, so the costs follow the GPU, the model's size and
+the mix actually served; nothing is written per GPU. Before it has seen load, its prior is slot
+admission's (a read stream costs ``limit / max_slots``, a chat stream ``limit / max_chat_slots``),
+so a cold engine admits no more than the slots would; a prior's weight in the fit is a few steps.
+
+**Committed work** counts every stream from its admission to its end: queued and running, and a
+streamed-text session while it waits for text, so the work a session will still bring keeps its
+place and sessions opened later cannot starve it (its later text is never refused for load).
+
+**Waiting**: a stream that cannot take a slot now may wait in the engine's queue only as long as
+its first audio can still come within ``first_audio_deadline_s``; past that it is refused
+(reason ``wait``), still before any work on it. At submission, a queue that already holds more
+than that time's admissions refuses at once.
+
+``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
+timeouts allow): the A/B of the overload benchmark.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import EngineOverloadedError
+
+STREAM_KINDS = ("read", "chat", "cloned", "streamed")
+ADMISSION_MODES = ("work", "slots")
+REFUSAL_REASONS = ("work", "wait", "queue")
+# A refusal tells the caller when to retry: streams end and free work within seconds.
+RETRY_AFTER_S = 1.0
+# The fit's assumed noise in one step's load (its std, as a share of the budget): the prior's
+# weight against the data.
+STEP_LOAD_NOISE = 0.05
+OUTLIER = 3 * STEP_LOAD_NOISE  # a step's load counts at most this far from the fit's
+# Each cost may move this many times its prior's size (its prior's std) before data pins it.
+PRIOR_SPREAD = 2.0
+# The fit sees the last this many steps (about a minute of a GPU engine's 50 ms steps).
+WINDOW_STEPS = 1000
+# No measured cost falls below this share of its prior (a fit at light load sees a flat step).
+COST_FLOOR_SHARE = 0.25
+PRIOR_INTERCEPT_SHARE = 0.1  # of the limit: the step's cost with no stream
+
+
+@dataclass(frozen=True)
+class StreamWork:
+    """What one stream brings, as counts of :data:`STREAM_KINDS` (1 or 0 each)."""
+
+    chat: bool = False
+    cloned: bool = False
+    streamed: bool = False
+
+    def vector(self) -> np.ndarray:
+        return np.array([0.0 if self.chat else 1.0, 1.0 if self.chat else 0.0,
+                         float(self.cloned), float(self.streamed)])
+
+    @property
+    def kind(self) -> str:
+        return "chat" if self.chat else "read"
+
+
+class StepLoadModel:
+    """load = intercept + costs . counts, fitted to the last :data:`WINDOW_STEPS` steps by
+    least squares with the prior as a ridge: a direction the window's steps do not vary in
+    (only read streams for a while, say) keeps its prior, never a wild value, and one odd step
+    (a collection, a burst of prefills) counts as a 3-sigma one among the window's."""
+
+    def __init__(self, prior_costs: Sequence[float], prior_intercept: float) -> None:
+        self._prior = np.array([prior_intercept, *prior_costs], dtype=np.float64)
+        spread = np.maximum(self._prior * PRIOR_SPREAD, 1e-9)
+        self._ridge = np.diag(STEP_LOAD_NOISE ** 2 / spread ** 2)
+        size = len(self._prior)
+        self._xx = np.zeros((size, size))  # the window's sums of x x^T and x y
+        self._xy = np.zeros(size)
+        self._window: collections.deque[tuple[np.ndarray, float]] = collections.deque()
+        self.theta = self._prior.copy()
+        self._stale = False
+        self.steps_seen = 0
+
+    def observe(self, counts: Sequence[float], load: float) -> None:
+        """One step: the open streams by kind, and the load it measured."""
+        x = np.array([1.0, *counts], dtype=np.float64)
+        # an odd step counts as a 3-sigma one: a real change moves the fit over a few steps
+        expected = float(x @ self._fitted())
+        load = min(max(load, expected - OUTLIER), expected + OUTLIER)
+        self._window.append((x, load))
+        self._xx += np.outer(x, x)
+        self._xy += x * load
+        if len(self._window) > WINDOW_STEPS:
+            old, old_load = self._window.popleft()
+            self._xx -= np.outer(old, old)
+            self._xy -= old * old_load
+        self._stale = True
+        self.steps_seen += 1
+
+    def _fitted(self) -> np.ndarray:
+        if self._stale:
+            self.theta = np.linalg.solve(self._xx + self._ridge,
+                                         self._xy + self._ridge @ self._prior)
+            self._stale = False
+        return self.theta
+
+    @property
+    def intercept(self) -> float:
+        return max(float(self._fitted()[0]), 0.0)
+
+    @property
+    def costs(self) -> np.ndarray:
+        """Each kind's cost, never below a share of its prior."""
+        return np.maximum(self._fitted()[1:], self._prior[1:] * COST_FLOOR_SHARE)
+
+    def load(self, counts: np.ndarray) -> float:
+        return self.intercept + float(self.costs @ counts)
+
+
+@dataclass
+class AdmissionCounters:
+    """Admissions and refusals so far, by reason; ``refused_load`` sums the refused streams'
+    projected load (the demand the autoscaler adds)."""
+
+    admitted: int = 0
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSAL_REASONS, 0))
+    refused_load: float = 0.0
+
+
+class WorkAdmission:
+    """The engine's admission by work (module docstring). Thread-safe: callers' threads submit,
+    the step thread observes steps and expires waiting streams."""
+
+    def __init__(self, mode: str, margin: float, first_audio_deadline_s: float,
+                 max_slots: int, max_chat_slots: int) -> None:
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}")
+        if not 0 <= margin < 1:
+            raise ValueError("admission_margin must be in [0, 1)")
+        self.mode = mode
+        self.limit = 1.0 - margin
+        self.first_audio_deadline_s = first_audio_deadline_s
+        # the prior: the slots full of one kind just fill the limit
+        intercept = PRIOR_INTERCEPT_SHARE * self.limit
+        read = (self.limit - intercept) / max(max_slots, 1)
+        chat = (self.limit - intercept) / max_chat_slots if max_chat_slots else read
+        self.model = StepLoadModel([read, chat, 0.1 * read, 0.1 * read], intercept)
+        self._committed = np.zeros(len(STREAM_KINDS))
+        self._lock = threading.Lock()
+        self._first_audio_s = 0.0  # admission to first audio, recent streams (EWMA)
+        self._step_s = 0.0  # recent step time (EWMA)
+        self.counters = AdmissionCounters()
+
+    @property
+    def by_work(self) -> bool:
+        return self.mode == "work"
+
+    # ---- callers' threads ------------------------------------------------------------------
+
+    def take(self, works: Sequence[StreamWork], queued_ahead: int = 0,
+             admissions_per_step: int = 0) -> None:
+        """Commit the work of new streams, all or none; raises :class:`EngineOverloadedError`
+        (``reason``) if they do not fit (in ``work`` mode; ``slots`` mode only counts)."""
+        added = sum((w.vector() for w in works), np.zeros(len(STREAM_KINDS)))
+        with self._lock:
+            if self.by_work:
+                load = self.model.load(self._committed + added)
+                if load > self.limit:
+                    self._refuse("work", added)
+                    raise EngineOverloadedError("the engine's real-time budget is full", "work")
+                if admissions_per_step and queued_ahead:
+                    wait_s = math.ceil((queued_ahead + 1) / admissions_per_step) * self._step_s
+                    if wait_s > self._wait_allowance_s():
+                        self._refuse("queue", added)
+                        raise EngineOverloadedError("the engine's queue would start it too late", "queue")
+            self._committed += added
+            self.counters.admitted += len(works)
+
+    def release(self, work: StreamWork) -> None:
+        """A committed stream ended (completed, failed, aborted or refused while waiting)."""
+        with self._lock:
+            self._committed = np.maximum(self._committed - work.vector(), 0.0)
+
+    def snapshot(self) -> dict[str, float]:
+        """The load committed now, the limit, each kind's cost (stats and routing)."""
+        with self._lock:
+            costs = self.model.costs
+            return {"work_load": self.model.load(self._committed),
+                    "work_limit": self.limit if self.by_work else 0.0,
+                    **{f"{kind}_stream_load": float(cost)
+                       for kind, cost in zip(STREAM_KINDS, costs)},
+                    "admitted_streams": self.counters.admitted,
+                    **{f"refused_{reason}": count
+                       for reason, count in self.counters.refused.items()},
+                    "refused_load": self.counters.refused_load}
+
+    # ---- step thread -----------------------------------------------------------------------
+
+    def observe_step(self, counts: np.ndarray, load: float, step_s: float) -> None:
+        """One step ran with ``counts`` streams open by kind and measured ``load``."""
+        with self._lock:
+            self._step_s = step_s if not self._step_s else 0.9 * self._step_s + 0.1 * step_s
+            if counts.any():
+                self.model.observe(counts, load)
+
+    def observe_first_audio(self, after_admission_s: float) -> None:
+        with self._lock:
+            self._first_audio_s = (after_admission_s if not self._first_audio_s
+                                   else 0.9 * self._first_audio_s + 0.1 * after_admission_s)
+
+    def expired(self, waited_s: Iterable[float]) -> list[bool]:
+        """Which waiting streams can no longer have their first audio in time (``work`` mode
+        only): their waits so far, in order."""
+        if not self.by_work:
+            return [False for _ in waited_s]
+        allowance = self._wait_allowance_s()
+        return [waited > allowance for waited in waited_s]
+
+    def refuse_waiting(self, work: StreamWork) -> EngineOverloadedError:
+        """A waiting stream is refused: its work leaves, and the refusal is counted."""
+        with self._lock:
+            self._committed = np.maximum(self._committed - work.vector(), 0.0)
+            self._refuse("wait", work.vector())
+        return EngineOverloadedError("the engine could not start it in time", "wait")
+
+    # ---- inside the lock ---------------------------------------------------------------------
+
+    def _wait_allowance_s(self) -> float:
+        return max(self.first_audio_deadline_s - self._first_audio_s, 0.0)
+
+    def _refuse(self, reason: str, added: np.ndarray) -> None:
+        self.counters.refused[reason] += int(round(added[0] + added[1])) or 1
+        self.counters.refused_load += float(self.model.costs @ added)

@@ -1,0 +1,138 @@
+"""Admission by work (serve_app/engines/work_admission.py): the step model learns what each kind
+of stream costs from the steps it sees, the gate admits only what the budget holds, and a
+waiting stream is refused once its first audio could no longer come in time."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from serve_app.engines.errors import EngineOverloadedError
+from serve_app.engines.work_admission import StepLoadModel, StreamWork, WorkAdmission
+
+READ, CHAT = StreamWork(), StreamWork(chat=True)
+CLONED_CHAT = StreamWork(chat=True, cloned=True)
+
+
+def true_load(counts: np.ndarray) -> float:
+    """A made-up engine: 0.06 of the budget with no stream, read 0.0004, chat 0.0018 each,
+    a cloned voice 0.0001 more, streamed text nothing more."""
+    return 0.06 + float(np.array([0.0004, 0.0018, 0.0001, 0.0]) @ counts)
+
+
+def steps(count: int, seed: int = 0) -> list[tuple[np.ndarray, float]]:
+    """Steps of a service whose mix of read and chat streams drifts, with noisy step times."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        read, chat = rng.randint(0, 800), rng.randint(0, 200)
+        cloned = rng.randint(0, chat)
+        counts = np.array([read, chat, cloned, 0.0])
+        out.append((counts, true_load(counts) * rng.uniform(0.95, 1.05)))
+    return out
+
+
+def test_the_model_learns_each_kinds_cost_from_the_steps_it_sees():
+    # Its prior (slot admission's: 1024 read or 256 chat slots at a 0.5 limit) is wrong by 20 %
+    # for read and by 10 % for chat; after the steps the costs are the engine's own.
+    model = StepLoadModel([0.5 / 1024, 0.5 / 256, 0.0, 0.0], 0.05)
+    for counts, load in steps(400):
+        model.observe(counts, load)
+    read, chat = model.costs[:2]
+    assert read == pytest.approx(0.0004, rel=0.05)
+    assert chat == pytest.approx(0.0018, rel=0.05)
+    assert model.load(np.array([768, 256, 0, 0])) == pytest.approx(
+        true_load(np.array([768, 256, 0, 0])), rel=0.05)
+
+
+def test_one_odd_step_after_a_steady_load_does_not_throw_admission():
+    # Thousands of identical steps pin the load where the service runs and nothing else; one
+    # slow step then (a GC pause, say) must not change what the next admissions project.
+    model = StepLoadModel([0.5 / 1024, 0.5 / 256, 0.0, 0.0], 0.05)
+    for counts, load in steps(300):
+        model.observe(counts, load)
+    steady = np.array([512.0, 64.0, 0.0, 0.0])
+    for _ in range(5000):
+        model.observe(steady, true_load(steady))
+    near = [steady + np.array([0.0, 16.0, 0.0, 0.0]), steady + np.array([64.0, 0.0, 0.0, 0.0])]
+    before = [model.load(counts) for counts in near]
+    model.observe(np.array([10.0, 0.0, 0.0, 0.0]), 0.5)
+    assert [model.load(counts) for counts in near] == pytest.approx(before, rel=0.05)
+    assert before == pytest.approx([true_load(counts) for counts in near], rel=0.05)
+
+
+def test_a_cold_engine_admits_as_many_streams_as_its_slots():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=16, max_chat_slots=4)
+    for _ in range(16):
+        admission.take([READ])
+    with pytest.raises(EngineOverloadedError) as refused:
+        admission.take([READ])
+    assert refused.value.reason == "work"
+    assert admission.snapshot()["refused_work"] == 1
+
+
+def test_a_measured_engine_admits_by_what_the_streams_cost():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=1024, max_chat_slots=256)
+    for counts, load in steps(400):
+        admission.observe_step(counts, load, 0.05)
+    # 0.06 + 600 x 0.0004 = 0.30: 0.20 of the limit is left, 111 chat streams' worth
+    admission.take([READ] * 600)
+    admitted_chat = 0
+    with pytest.raises(EngineOverloadedError):
+        while True:
+            admission.take([CHAT])
+            admitted_chat += 1
+    assert 100 <= admitted_chat <= 122
+    # the refused stream changed nothing; a read stream (cheaper) may still fit
+    load = admission.snapshot()["work_load"]
+    assert load <= 0.5
+    # streams ending give their work back
+    for _ in range(600):
+        admission.release(READ)
+    admission.take([CHAT] * 100)
+
+
+def test_a_batch_is_taken_whole_or_not_at_all():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=8, max_chat_slots=8)
+    admission.take([READ] * 6)
+    with pytest.raises(EngineOverloadedError):
+        admission.take([READ] * 3)
+    admission.take([READ] * 2)  # the failed batch left nothing behind
+
+
+def test_slot_admission_only_counts():
+    admission = WorkAdmission("slots", 0.5, 0.5, max_slots=4, max_chat_slots=4)
+    admission.take([CHAT] * 100)
+    assert admission.snapshot()["admitted_streams"] == 100
+    assert admission.snapshot()["work_limit"] == 0.0
+    assert admission.expired([10.0, 100.0]) == [False, False]
+
+
+def test_a_waiting_stream_is_refused_once_its_first_audio_cannot_come_in_time():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16)
+    admission.observe_first_audio(0.2)  # first audio comes 0.2 s after admission
+    assert admission.expired([0.1, 0.29, 0.31, 2.0]) == [False, False, True, True]
+    admission.take([CLONED_CHAT])
+    error = admission.refuse_waiting(CLONED_CHAT)
+    assert error.reason == "wait"
+    assert admission.snapshot()["refused_wait"] == 1
+    assert admission.snapshot()["work_load"] == pytest.approx(admission.model.intercept)
+
+
+def test_a_queue_that_would_start_a_stream_too_late_refuses_it_at_once():
+    admission = WorkAdmission("work", 0.0, 0.5, max_slots=1024, max_chat_slots=256)
+    admission.observe_first_audio(0.2)
+    admission.observe_step(np.zeros(4), 0.0, 0.05)  # 50 ms steps
+    # 16 admitted a step: 64 ahead start within 4-5 steps (0.25 s), over the 0.3 s allowance?
+    admission.take([READ], queued_ahead=64, admissions_per_step=16)  # 5 steps: 0.25 s
+    with pytest.raises(EngineOverloadedError) as refused:
+        admission.take([READ], queued_ahead=160, admissions_per_step=16)  # 11 steps: 0.55 s
+    assert refused.value.reason == "queue"
+
+
+def test_the_reason_survives_the_hop_between_processes():
+    error = pickle.loads(pickle.dumps(EngineOverloadedError("budget full", "work")))
+    assert (error.reason, error.message) == ("work", "budget full")
