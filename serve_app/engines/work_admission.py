@@ -49,12 +49,15 @@ from .errors import EngineOverloadedError
 STREAM_KINDS = ("read", "chat", "cloned", "streamed")
 ADMISSION_MODES = ("work", "slots")
 REFUSAL_REASONS = ("work", "wait", "queue")
+MIN_WAIT_STEPS = 2  # a queued stream may always wait this many steps for its slot
 # A refusal tells the caller when to retry: streams end and free work within seconds.
 RETRY_AFTER_S = 1.0
 # The fit's assumed noise in one step's load (its std, as a share of the budget): the prior's
 # weight against the data.
 STEP_LOAD_NOISE = 0.05
-OUTLIER = 3 * STEP_LOAD_NOISE  # a step's load counts at most this far from the fit's
+# A step's load counts at most this far from the fit's (half the budget): a collection's pause
+# is clipped, while a real change of pace, however large, moves the fit within a few steps.
+OUTLIER = 0.5
 # Each cost may move this many times its prior's size (its prior's std) before data pins it.
 PRIOR_SPREAD = 2.0
 # The fit sees the last this many steps (about a minute of a GPU engine's 50 ms steps).
@@ -85,7 +88,7 @@ class StepLoadModel:
     """load = intercept + costs . counts, fitted to the last :data:`WINDOW_STEPS` steps by
     least squares with the prior as a ridge: a direction the window's steps do not vary in
     (only read streams for a while, say) keeps its prior, never a wild value, and one odd step
-    (a collection, a burst of prefills) counts as a 3-sigma one among the window's."""
+    (a collection's pause) counts as at most half a budget off among the window's."""
 
     def __init__(self, prior_costs: Sequence[float], prior_intercept: float) -> None:
         self._prior = np.array([prior_intercept, *prior_costs], dtype=np.float64)
@@ -102,7 +105,7 @@ class StepLoadModel:
     def observe(self, counts: Sequence[float], load: float) -> None:
         """One step: the open streams by kind, and the load it measured."""
         x = np.array([1.0, *counts], dtype=np.float64)
-        # an odd step counts as a 3-sigma one: a real change moves the fit over a few steps
+        # an odd step counts as half a budget off at most
         expected = float(x @ self._fitted())
         load = min(max(load, expected - OUTLIER), expected + OUTLIER)
         self._window.append((x, load))
@@ -165,7 +168,7 @@ class WorkAdmission:
         self.model = StepLoadModel([read, chat, 0.1 * read, 0.1 * read], intercept)
         self._committed = np.zeros(len(STREAM_KINDS))
         self._lock = threading.Lock()
-        self._first_audio_s = 0.0  # admission to first audio, recent streams (EWMA)
+        self._first_audio_s = [0.0, 0.0]  # admission to first audio, read and chat (EWMA)
         self._step_s = 0.0  # recent step time (EWMA)
         self.counters = AdmissionCounters()
 
@@ -188,7 +191,7 @@ class WorkAdmission:
                     raise EngineOverloadedError("the engine's real-time budget is full", "work")
                 if admissions_per_step and queued_ahead:
                     wait_s = math.ceil((queued_ahead + 1) / admissions_per_step) * self._step_s
-                    if wait_s > self._wait_allowance_s():
+                    if wait_s > max(self._wait_allowance_s(w.chat) for w in works):
                         self._refuse("queue", added)
                         raise EngineOverloadedError("the engine's queue would start it too late", "queue")
             self._committed += added
@@ -221,18 +224,21 @@ class WorkAdmission:
             if counts.any():
                 self.model.observe(counts, load)
 
-    def observe_first_audio(self, after_admission_s: float) -> None:
+    def observe_first_audio(self, after_admission_s: float, chat: bool = False) -> None:
+        """A stream's first audio came ``after_admission_s`` after it got its slot."""
         with self._lock:
-            self._first_audio_s = (after_admission_s if not self._first_audio_s
-                                   else 0.9 * self._first_audio_s + 0.1 * after_admission_s)
+            last = self._first_audio_s[chat]
+            self._first_audio_s[chat] = (after_admission_s if not last
+                                         else 0.9 * last + 0.1 * after_admission_s)
 
-    def expired(self, waited_s: Iterable[float]) -> list[bool]:
+    def expired(self, waits: Iterable[tuple[float, bool]]) -> list[bool]:
         """Which waiting streams can no longer have their first audio in time (``work`` mode
-        only): their waits so far, in order."""
+        only): (seconds waited so far, chat or not) of each, in order."""
         if not self.by_work:
-            return [False for _ in waited_s]
-        allowance = self._wait_allowance_s()
-        return [waited > allowance for waited in waited_s]
+            return [False for _ in waits]
+        with self._lock:
+            allowance = [self._wait_allowance_s(False), self._wait_allowance_s(True)]
+        return [waited > allowance[chat] for waited, chat in waits]
 
     def refuse_waiting(self, work: StreamWork) -> EngineOverloadedError:
         """A waiting stream is refused: its work leaves, and the refusal is counted."""
@@ -243,8 +249,12 @@ class WorkAdmission:
 
     # ---- inside the lock ---------------------------------------------------------------------
 
-    def _wait_allowance_s(self) -> float:
-        return max(self.first_audio_deadline_s - self._first_audio_s, 0.0)
+    def _wait_allowance_s(self, chat: bool) -> float:
+        """How long a queued stream may wait for its slot: what its deadline leaves after its
+        kind's first audio takes, and never less than a few steps (an engine slower than the
+        deadline still serves what it can start at once)."""
+        return max(self.first_audio_deadline_s - self._first_audio_s[chat],
+                   MIN_WAIT_STEPS * self._step_s)
 
     def _refuse(self, reason: str, added: np.ndarray) -> None:
         self.counters.refused[reason] += int(round(added[0] + added[1])) or 1

@@ -30,8 +30,14 @@ class SessionEnd(Exception):
 
 
 def api_error_event(error: ApiError) -> dict[str, Any]:
-    return error_event(error.message, error.code or "invalid_request", error.error_type,
-                       error.param)
+    """The ``error`` event of an ApiError; a refusal for load (503, 429) also says when to try
+    again (``retry_after_s``: what an HTTP answer's ``Retry-After`` says)."""
+    event = error_event(error.message, error.code or "invalid_request", error.error_type,
+                        error.param)
+    retry_after = (error.headers or {}).get("Retry-After")
+    if retry_after is not None:
+        event["error"]["retry_after_s"] = float(retry_after)
+    return event
 
 
 def bad_message(message: str, code: str, param: str | None = None) -> dict[str, Any]:

@@ -198,7 +198,8 @@ class Scheduler:
         with self.lock:
             if not self.pending:
                 return []
-            late = self.work.expired([now - s.submitted_at for s in self.pending])
+            late = self.work.expired([(now - s.submitted_at, s.plan.is_chat)
+                                      for s in self.pending])
             if not any(late):
                 return []
             expired = [s for s, gone in zip(self.pending, late) if gone]

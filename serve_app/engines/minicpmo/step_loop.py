@@ -325,7 +325,8 @@ class StepLoop:
                               if not s.done], pending.jobs)
         for stream in silent:  # how long a first audio takes after admission, for the queue
             if stream.first_audio_at is not None and stream.admitted_at is not None:
-                self.scheduler.work.observe_first_audio(stream.first_audio_at - stream.admitted_at)
+                self.scheduler.work.observe_first_audio(stream.first_audio_at - stream.admitted_at,
+                                                        stream.plan.is_chat)
         for stream, _ in pending.jobs:
             if not stream.done and stream.schedule.phase is Phase.DONE:
                 self.endings.complete(stream)
