@@ -49,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--capacity-chat", type=int, default=256)
     parser.add_argument("--capacity-mixed", nargs=2, type=int, default=[384, 96],
                         metavar=("READ", "CHAT"))
-    parser.add_argument("--window-s", type=float, default=10.0)
-    parser.add_argument("--audio-seconds", type=float, default=5.0)
+    parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--audio-seconds", type=float, default=10.0)
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--sessions-x", type=float, default=0.0,
                         help="also offer WebSocket sessions at this many times --capacity-read")

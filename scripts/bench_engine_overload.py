@@ -32,7 +32,8 @@ import yaml
 
 from loadtest.bench_overload import acceptance
 from loadtest.bench_serve import git_commit, gpu_name
-from loadtest.overload import LEVELS_X, MIXES, StreamFate, arrivals, capacity_of, summarize
+from loadtest.overload import (LEVELS_X, MIXES, StreamFate, arrivals, capacity_of, percentile,
+                               summarize)
 from loadtest.overload_client import CHAT_TEXT, READ_TEXT
 from loadtest.service import ROOT
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
@@ -46,14 +47,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml")
     parser.add_argument("--admissions", nargs="+", default=["work", "slots"],
-                        choices=["work", "slots"])
+                        help="work, slots, or work:MARGIN (admission by work at that margin "
+                             "instead of the config's: written under variants)")
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     parser.add_argument("--levels", nargs="+", type=float, default=list(LEVELS_X))
     parser.add_argument("--capacity-read", type=int, default=1024)
     parser.add_argument("--capacity-chat", type=int, default=256)
     parser.add_argument("--capacity-mixed", nargs=2, type=int, default=[384, 96])
-    parser.add_argument("--window-s", type=float, default=10.0)
-    parser.add_argument("--audio-seconds", type=float, default=5.0)
+    parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--audio-seconds", type=float, default=10.0)
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="real weights (the tests' tiny checkpoint) instead of random ones")
     parser.add_argument("--device", default=None, help="override the config's device")
@@ -62,11 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def engine_options(args: argparse.Namespace, admission: str) -> dict[str, Any]:
+def engine_options(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     config = yaml.safe_load(args.config.read_text(encoding="utf-8"))
     [app] = config["applications"]
     options = dict(app["args"]["engine_options"])
+    admission, _, margin = variant.partition(":")
     options["admission"] = admission
+    if margin:
+        options["admission_margin"] = float(margin)
     options["max_queued"] = max(options.get("max_queued", 256), 4096)
     options["benchmark"] = {"random_weights": args.checkpoint is None,
                             "tts_tokenizer": str(ROOT / "tests" / "golden" / "chattts_tokenizer"),
@@ -104,6 +109,32 @@ async def one_stream(engine: MiniCPMOEngine, kind: str, at_s: float, t0: float) 
     return fate
 
 
+async def sample_projection(engine: MiniCPMOEngine, into: list[float]) -> None:
+    """The load admission projects for its committed streams, twice a second."""
+    while True:
+        into.append(engine.stats().work_load)
+        await asyncio.sleep(0.5)
+
+
+def engine_figures(engine: MiniCPMOEngine, before: Any, since_s: float,
+                   projected: list[float]) -> dict[str, Any]:
+    """What the engine measured over a level beside what its admission projected: each step's
+    load (its time over the real-time budget), the committed load, the fitted costs, and the
+    refusals by reason."""
+    stats = engine.stats()
+    budget = stats.step_budget_s or 1.0
+    loads = [record.seconds / budget for record in engine.step_log(since_s)]
+    return {"step_load_mean": sum(loads) / len(loads) if loads else None,
+            "step_load_p50": percentile(loads, 50), "step_load_p99": percentile(loads, 99),
+            "steps_over_budget": sum(load > 1.0 for load in loads),
+            "projected_load_mean": sum(projected) / len(projected) if projected else None,
+            "projected_load_max": max(projected, default=None),
+            "work_limit": stats.work_limit, "read_stream_load": stats.read_stream_load,
+            "chat_stream_load": stats.chat_stream_load,
+            **{f"refused_{reason}": getattr(stats, f"refused_{reason}")
+               - getattr(before, f"refused_{reason}") for reason in ("work", "wait", "queue")}}
+
+
 async def run_levels(engine: MiniCPMOEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
     levels = []
     for mix in args.mixes:
@@ -112,17 +143,15 @@ async def run_levels(engine: MiniCPMOEngine, args: argparse.Namespace) -> list[d
         for offered_x in args.levels:
             schedule = arrivals(mix, capacity, offered_x, args.window_s, args.audio_seconds)
             t0 = time.perf_counter() + 0.5
+            projected: list[float] = []
+            sampling = asyncio.ensure_future(sample_projection(engine, projected))
+            before = engine.stats()
             fates = await asyncio.gather(*(one_stream(engine, kind, at, t0)
                                            for at, kind in schedule))
+            sampling.cancel()
             level = summarize(list(fates), mix, offered_x, args.window_s)
             level["capacity"] = capacity
-            stats = engine.stats()
-            level["engine"] = {"work_load": stats.work_load, "work_limit": stats.work_limit,
-                               "read_stream_load": stats.read_stream_load,
-                               "chat_stream_load": stats.chat_stream_load,
-                               "refused_work": stats.refused_work,
-                               "refused_wait": stats.refused_wait,
-                               "refused_queue": stats.refused_queue}
+            level["engine"] = engine_figures(engine, before, t0, projected)
             print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
             levels.append(level)
             await asyncio.sleep(1.0)
@@ -135,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": gpu_name(), "command": "python -m scripts.bench_engine_overload "
         + " ".join(sys.argv[1:]), "git_commit": git_commit(), "config": str(args.config),
         "audio_seconds_per_stream": args.audio_seconds, "window_s": args.window_s,
-        "levels": [], "slots_levels": []}
+        "levels": [], "slots_levels": [], "variants": {}}
     for admission in args.admissions:
         engine = MiniCPMOEngine.from_options(**engine_options(args, admission))
         try:
@@ -151,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             except Exception:
                 pass
-        result["levels" if admission == "work" else "slots_levels"] = levels
+        if admission in ("work", "slots"):
+            result["levels" if admission == "work" else "slots_levels"] = levels
+        else:
+            result["variants"][admission] = levels
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     result["acceptance"] = acceptance(result["levels"], result["slots_levels"], args.ttfb_p99_ms)

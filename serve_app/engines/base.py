@@ -182,6 +182,7 @@ class EngineStats:
     # streams' load (demand the autoscaler counts). 0 where the engine admits by slots alone.
     work_load: float = 0.0
     work_limit: float = 0.0
+    measured_load: float = 0.0  # the last steps' load as measured (EWMA)
     read_stream_load: float = 0.0
     chat_stream_load: float = 0.0
     cloned_stream_load: float = 0.0

@@ -49,6 +49,8 @@ from .errors import EngineOverloadedError
 STREAM_KINDS = ("read", "chat", "cloned", "streamed")
 ADMISSION_MODES = ("work", "slots")
 REFUSAL_REASONS = ("work", "wait", "queue")
+# New streams wait while the last steps' measured load (EWMA) is this far over the limit.
+MEASURED_SLACK = 0.1
 MIN_WAIT_STEPS = 2  # a queued stream may always wait this many steps for its slot
 # A refusal tells the caller when to retry: streams end and free work within seconds.
 RETRY_AFTER_S = 1.0
@@ -170,6 +172,7 @@ class WorkAdmission:
         self._lock = threading.Lock()
         self._first_audio_s = [0.0, 0.0]  # admission to first audio, read and chat (EWMA)
         self._step_s = 0.0  # recent step time (EWMA)
+        self.measured_load = 0.0  # recent steps' load as measured (EWMA), the model aside
         self.counters = AdmissionCounters()
 
     @property
@@ -186,7 +189,9 @@ class WorkAdmission:
         with self._lock:
             if self.by_work:
                 load = self.model.load(self._committed + added)
-                if load > self.limit:
+                # the projection, and what the last steps measured: a fit that lags a change
+                # of pace cannot admit past what the engine is doing now
+                if load > self.limit or self.measured_load > self.limit + MEASURED_SLACK:
                     self._refuse("work", added)
                     raise EngineOverloadedError("the engine's real-time budget is full", "work")
                 if admissions_per_step and queued_ahead:
@@ -207,6 +212,7 @@ class WorkAdmission:
         with self._lock:
             costs = self.model.costs
             return {"work_load": self.model.load(self._committed),
+                    "measured_load": self.measured_load,
                     "work_limit": self.limit if self.by_work else 0.0,
                     **{f"{kind}_stream_load": float(cost)
                        for kind, cost in zip(STREAM_KINDS, costs)},
@@ -223,6 +229,9 @@ class WorkAdmission:
             self._step_s = step_s if not self._step_s else 0.9 * self._step_s + 0.1 * step_s
             if counts.any():
                 self.model.observe(counts, load)
+                self.measured_load = 0.8 * self.measured_load + 0.2 * load
+            else:
+                self.measured_load = 0.0
 
     def observe_first_audio(self, after_admission_s: float, chat: bool = False) -> None:
         """A stream's first audio came ``after_admission_s`` after it got its slot."""
