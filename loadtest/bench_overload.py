@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log", type=Path, default=Path("/tmp/bench-overload.log"))
+    parser.add_argument("--engine-results", type=Path, default=None,
+                        help="scripts/bench_engine_overload's JSON from this machine: the engine "
+                             "alone, written beside the served levels")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="join these runs' JSONs (one per admission rule, from calls on the "
+                             "same machine) into --out instead of measuring")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
 
@@ -158,8 +164,34 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def finish(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The acceptance per mix, the engine alone beside it, the JSON and its plot."""
+    result["acceptance"] = acceptance(result["levels"], result["slots_levels"], args.ttfb_p99_ms)
+    if args.engine_results is not None:
+        result["engine_alone"] = json.loads(args.engine_results.read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(json.dumps(result["acceptance"], indent=1))
+
+
+def merged(paths: list[Path]) -> dict[str, Any]:
+    """Runs of one rule each, joined: the first's facts, every run's levels and sessions."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    result = {**parts[0], "merged_from": [part["command"] for part in parts]}
+    for key in ("levels", "slots_levels"):
+        result[key] = [level for part in parts for level in part.get(key, [])]
+    for part in parts:
+        if "sessions" in part:
+            result["sessions"] = part["sessions"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        finish(merged(args.merge), args)
+        return 0
     base_url = f"http://127.0.0.1:{args.port}"
     result: dict[str, Any] = {
         "gpu": gpu_name(), "command": "scripts/bench_overload " + " ".join(sys.argv[1:]),
@@ -180,10 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_service(process)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")  # each rule's part as it ends
-    result["acceptance"] = acceptance(result["levels"], result["slots_levels"], args.ttfb_p99_ms)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, args.out.with_suffix(".png"))
-    print(json.dumps(result["acceptance"], indent=1))
+    finish(result, args)
     return 0
 
 
