@@ -204,6 +204,10 @@ class LocalCluster:
         chosen)."""
         return []
 
+    def _node_env(self, name: str) -> dict[str, str]:
+        """More environment for one node's processes (a subclass's: ``head``, ``worker1``...)."""
+        return {}
+
     def _start_worker(self, index: int, resources: dict[str, float]) -> None:
         def args() -> list[str]:
             return ["--address", self.address, "--num-cpus", str(self.worker_cpus),
@@ -241,7 +245,7 @@ class LocalCluster:
 
     def _launch(self, name: str, args: list[str]) -> None:
         log_path = self.temp_dir / f"{name}.log"
-        env = self.env
+        env = {**self.env, **self._node_env(name)}
         if name == "head":
             env.pop("RAY_ADDRESS")
         with log_path.open("w") as log:

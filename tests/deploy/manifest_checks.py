@@ -129,6 +129,44 @@ def operator_problems(manifest: dict[str, Any]) -> list[str]:
         if "replicas" in group and not low <= group["replicas"] <= high:
             problems.append(f"{group_name}: replicas {group['replicas']} outside [{low}, {high}]")
     problems += autoscaler_v2_problems(manifest)
+    problems += fault_tolerance_and_auth_problems(manifest)
+    return problems
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def fault_tolerance_and_auth_problems(manifest: dict[str, Any]) -> list[str]:
+    """KubeRay 1.7's rules for GCS fault tolerance and token auth (ValidateRayClusterSpec,
+    ValidateRayServiceSpec): Redis's address and password only through
+    gcsFaultToleranceOptions, never beside it in the head's env or rayStartParams; token auth
+    needs Ray 2.52 or later, and a RayService cannot use Kubernetes token auth."""
+    spec = cluster(manifest)
+    head = spec["headGroupSpec"]
+    head_env = env_of(ray_container(head))
+    problems = []
+    options = spec.get("gcsFaultToleranceOptions")
+    if options is None and "RAY_REDIS_ADDRESS" in head_env:
+        problems.append("RAY_REDIS_ADDRESS without gcsFaultToleranceOptions")
+    if options is not None:
+        if head.get("rayStartParams", {}).get("redis-password"):
+            problems.append("redis-password in rayStartParams beside gcsFaultToleranceOptions")
+        for name in ("REDIS_PASSWORD", "RAY_REDIS_ADDRESS"):
+            if name in head_env:
+                problems.append(f"{name} in the head's env beside gcsFaultToleranceOptions")
+        if "ray.io/external-storage-namespace" in manifest["metadata"].get("annotations", {}):
+            problems.append("external-storage-namespace annotation beside "
+                            "gcsFaultToleranceOptions")
+        if options.get("backend", "redis") == "redis" and not options.get("redisAddress"):
+            problems.append("gcsFaultToleranceOptions without redisAddress")
+    if head.get("rayStartParams", {}).get("redis-username") or "REDIS_USERNAME" in head_env:
+        problems.append("redis username outside gcsFaultToleranceOptions")
+    auth = spec.get("authOptions") or {}
+    if auth.get("mode") == "token" and _version(spec.get("rayVersion", "0")) < (2, 52, 0):
+        problems.append("authOptions token needs rayVersion 2.52.0 or later")
+    if auth.get("enableK8sTokenAuth"):
+        problems.append("a RayService cannot use enableK8sTokenAuth")
     return problems
 
 
@@ -166,19 +204,6 @@ def serve_port_problems(manifest: dict[str, Any], port: int) -> list[str]:
         if ports.get(SERVE_PORT_NAME) != port:
             problems.append(f"{group_name}: port {SERVE_PORT_NAME!r} is "
                             f"{ports.get(SERVE_PORT_NAME)}, not {port}")
-    return problems
-
-
-def readiness_problems(manifest: dict[str, Any]) -> list[str]:
-    """Each worker's readiness probe asks HAProxy's health route on the serve port."""
-    problems = []
-    for group_name, group in groups(manifest):
-        if group_name == "head":
-            continue
-        probe = ray_container(group).get("readinessProbe", {}).get("httpGet", {})
-        if (probe.get("path"), probe.get("port")) != (HAPROXY_HEALTH_PATH, SERVE_PORT_NAME):
-            problems.append(f"{group_name}: readiness probe {probe}, not GET "
-                            f"{HAPROXY_HEALTH_PATH} on port {SERVE_PORT_NAME!r}")
     return problems
 
 
