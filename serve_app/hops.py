@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
@@ -42,6 +42,20 @@ def as_cancellation(exc: BaseException) -> asyncio.CancelledError:
     """The ``asyncio.CancelledError`` to raise (``from exc``) for a hang-up that surfaced as
     another exception."""
     return asyncio.CancelledError(f"{type(exc).__name__}: {exc}")
+
+
+async def in_time(awaitable: Awaitable[Any], timeout_s: float | None) -> Any:
+    """``await awaitable`` within ``timeout_s`` (None: no limit), else ``TimeoutError``, in the
+    calling task; a cancellation of that task is always raised, even when the awaitable's result
+    came in the same loop pass.
+
+    ``asyncio.wait_for`` on Python 3.11 drops such a cancellation and returns the result (CPython
+    gh-86296, fixed in 3.12). A WebSocket session lost its end to it: the stream ended and the
+    session cancelled its text reader just as the reader's ``input_text.done`` was answered; the
+    reader went on waiting for a message the client never sends, so ``response.done`` never left
+    (1 of 13 sessions, ``serve_config.cpu.yaml``, 3-4 sessions at once)."""
+    async with asyncio.timeout(timeout_s):
+        return await awaitable
 
 
 class StreamTimeout(TimeoutError):

@@ -1,5 +1,6 @@
 """serve_app.hops.within: each item within its time limit, over a real event loop; a limit
-missed ends the stream with StreamTimeout, and nothing else does."""
+missed ends the stream with StreamTimeout, and nothing else does. serve_app.hops.in_time: one
+awaited answer within its limit, a cancellation never lost."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from serve_app.hops import StreamTimeout, within
+from serve_app.hops import StreamTimeout, in_time, within
 
 
 async def ticking(count: int, every_s: float = 0.0, log: list[str] | None = None):
@@ -119,3 +120,33 @@ def test_errors_of_the_items_pass_through() -> None:
 
     assert run(main(ValueError("bad"))) == ([1], ValueError)
     assert run(main(TimeoutError("its own"))) == ([1], TimeoutError)  # not a StreamTimeout
+
+
+def test_in_time_gives_the_answer_or_times_out() -> None:
+    async def main():
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result("fed")
+        assert await in_time(answered, 1.0) == "fed"
+        assert await in_time(answered, None) == "fed"
+        with pytest.raises(TimeoutError):
+            await in_time(asyncio.Event().wait(), 0.05)
+
+    run(main())
+
+
+def test_in_time_keeps_a_cancellation_that_comes_with_the_answer() -> None:
+    # The lost WebSocket session (serve_app/front/speech_socket.py): the stream ended and the
+    # session cancelled its text reader in the same loop pass as the reader's input_text.done
+    # was answered. asyncio.wait_for on Python 3.11 returned the answer and dropped the cancel;
+    # the reader then waited for a message forever, and response.done never left. Both happen
+    # here in one synchronous block, so the order is fixed, not a matter of timing.
+    async def main():
+        answer = asyncio.get_running_loop().create_future()
+        waiting = asyncio.create_task(in_time(answer, 10.0))
+        await asyncio.sleep(0)  # it runs up to its wait for the answer
+        answer.set_result("fed")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    run(main())

@@ -13,6 +13,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from serve_app.errors import ApiError
 from serve_app.front.events import error_event
+from serve_app.hops import in_time
 
 logger = logging.getLogger("serve_app.front.speech_socket")  # the session's log, as before
 
@@ -60,9 +61,10 @@ class SocketChannel:
                 await self.socket.send_bytes(data)
 
     async def receive(self, timeout_s: float | None) -> dict[str, Any] | None:
-        """The next JSON message; None (after an error event) for one that is not."""
+        """The next JSON message; None (after an error event) for one that is not. A cancel
+        (the session ends) is raised even when a message came with it."""
         try:
-            message = await asyncio.wait_for(self.socket.receive(), timeout_s)
+            message = await in_time(self.socket.receive(), timeout_s)
         except TimeoutError:
             raise SessionEnd(bad_message(f"no message for {timeout_s:g} s", "idle_timeout"),
                              CLOSE_POLICY) from None

@@ -38,7 +38,7 @@ from serve_app.engines.words import WordTime, spoken_by
 from serve_app.errors import ApiError
 from serve_app.front.events import chunk_fields, error_event, stream_error_event
 from serve_app.front.guard import KeyRing, StreamAdmission
-from serve_app.hops import as_cancellation, is_cancellation
+from serve_app.hops import as_cancellation, in_time, is_cancellation
 from serve_app.messages import EncodedChunk, EncodeJob, StreamUsage, TextInputOpen
 from serve_app.front.schemas import MAX_INSTRUCTIONS_CHARS, TimestampGranularities, no_nul
 from serve_app.front.socket_channel import (
@@ -233,10 +233,11 @@ class SpeechSession(SocketChannel):
         """Send text to the stream's replica, through its text inbox: a plain Ray actor call,
         which Serve neither queues nor refuses when the replica is full or drains
         (:mod:`serve_app.gpu.text_inbox`). The engine's refusal is an error event; a lost
-        replica ends the session."""
+        replica ends the session. A cancel (the session ends) is raised even when the answer
+        came with it (:func:`~serve_app.hops.in_time`)."""
         call = self.text_inbox.put.remote(self.request_id, delta, done)
         try:
-            refused = await asyncio.wait_for(call, self.api.handle_timeout_s)
+            refused = await in_time(call, self.api.handle_timeout_s)
         except Exception as exc:
             if is_cancellation(exc):  # the session is ending
                 raise as_cancellation(exc) from exc
