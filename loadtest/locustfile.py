@@ -124,6 +124,7 @@ class _Listener(HttpUser):
         last_piece: float | None = None
         longest_gap_s = 0.0  # the longest wait between two pieces of audio (spikes)
         ran_dry = False
+        refused = False  # a 503 or 429 with Retry-After: the service said "not now", at once
         error: str | None = None
         status = None
         try:
@@ -135,6 +136,8 @@ class _Listener(HttpUser):
                     detail = (response.text[:200] if response.status_code
                               else repr(response.error))
                     error = f"HTTP {response.status_code}: {detail}"
+                    refused = (response.status_code in (429, 503)
+                               and "Retry-After" in response.headers)
                 else:
                     try:
                         for piece in response.iter_content(chunk_size=None):
@@ -179,18 +182,19 @@ class _Listener(HttpUser):
         self._record(started_at, name, length, error is None, status, ttfb_s, total_s, audio,
                      error, realtime=error is None and not ran_dry, request_id=request_id,
                      longest_gap_s=longest_gap_s,
-                     words=events.words if events is not None else None)
+                     words=events.words if events is not None else None, refused=refused)
 
     def _record(self, started_at: float, name: str, length: str, ok: bool | None,
                 status: int | None, ttfb_s: float | None, total_s: float, audio: AudioCounter,
                 error: str | None, realtime: bool, request_id: str | None = None,
-                longest_gap_s: float | None = None, words: int | None = None) -> None:
+                longest_gap_s: float | None = None, words: int | None = None,
+                refused: bool = False) -> None:
         runner = self.environment.runner
         RECORDS.write({
             "request_id": request_id, "start": started_at, "route": name, "length": length, "ok": ok, "status": status,
             "ttfb_s": ttfb_s, "total_s": total_s, "audio_s": audio.audio_s,
             "bytes": audio.body_bytes, "error": error, "realtime": realtime,
-            "longest_gap_s": longest_gap_s, "words": words,
+            "longest_gap_s": longest_gap_s, "words": words, "refused": refused,
             "users": runner.user_count if runner else None,
         })
 

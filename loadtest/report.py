@@ -85,14 +85,18 @@ def summarize(records: list[dict[str, Any]], *, host: str, users: int,
     start, end = _window(records)
     duration_s = max(end - start, 1e-9)
     ok = [r for r in records if r["ok"]]
-    failures = max(len(records) - len(ok), locust_failure_count or 0)
-    total = max(len(records), len(ok) + failures)
+    # a refusal (503 or 429 with Retry-After, before any audio) is the service keeping what it
+    # admitted real-time: counted apart from failures (Locust counts it as one)
+    refused = sum(bool(r.get("refused")) for r in records)
+    failures = max(len(records) - len(ok) - refused, (locust_failure_count or 0) - refused)
+    total = max(len(records), len(ok) + failures + refused)
     summary.update({
         "duration_s": round(duration_s, 2),
         "users_max_seen": max((r.get("users") or 0) for r in records),
         "requests": total,
         "successes": len(ok),
         "failures": failures,
+        "refused": refused,
         "error_rate": round(failures / total, 4),
         "requests_per_s": round(len(ok) / duration_s, 3),
         "audio_seconds": round(sum(r["audio_s"] for r in ok), 2),
@@ -102,7 +106,8 @@ def summarize(records: list[dict[str, Any]], *, host: str, users: int,
         "rtf": _stats((r["total_s"] / r["audio_s"] for r in ok), digits=3),
         "by_route": {},
         "by_length": {},
-        "failure_samples": sorted({r["error"] for r in records if not r["ok"]})[:5],
+        "failure_samples": sorted({r["error"] for r in records
+                                   if not r["ok"] and not r.get("refused")})[:5],
     })
     for key, field in (("by_route", "route"), ("by_length", "length")):
         groups: dict[str, list[dict[str, Any]]] = defaultdict(list)

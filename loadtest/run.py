@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ttfb = summary.get("ttfb_ms", {})
     print(f"loadtest: {summary['requests']} streams, {summary['failures']} failed "
-          f"(error rate {summary['error_rate']:.2%}), {summary['unfinished']} cut by the end; "
+          f"(error rate {summary['error_rate']:.2%}), {summary.get('refused', 0)} refused "
+          f"(503/429 with Retry-After), {summary['unfinished']} cut by the end; "
           f"{summary['requests_per_s']:.2f} req/s, "
           f"{summary['audio_seconds_per_s']:.2f} audio s/s; TTFB p50/p90/p99 "
           f"{ttfb.get('p50', float('nan')):.0f}/{ttfb.get('p90', float('nan')):.0f}/"

@@ -30,7 +30,8 @@ def test_loadtest_10s_on_the_cpu_profile_has_throughput_and_no_failures(
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["load_s"] == 10 and summary["users"] == 4
-    assert summary["successes"] > 0
+    # admission by work may refuse a stream on a busy machine: a refusal is no failure
+    assert summary["successes"] > 0 and summary["refused"] >= 0
     assert summary["requests_per_s"] > 0 and summary["audio_seconds_per_s"] > 0
     assert summary["failures"] == 0 and summary["error_rate"] == 0.0
     ttfb = summary["ttfb_ms"]
