@@ -265,9 +265,7 @@ def fleet_app_config(port: int, config_path: Path = DEMO_CONFIG) -> dict[str, An
     # few streams to ask for a second replica. Each stream is held as long as its audio plays
     # (1 s ahead of its listener), as a GPU engine at load holds it.
     app["args"].setdefault("engine_options", {})["paced_lead_s"] = PACED_LEAD_S
-    # Admission by slots: every fake node's replica shares this machine's cores, so the load
-    # one replica measures says nothing of its node's room (a busy 2-core box would have them
-    # refuse streams the scenarios count on); these runs are about nodes, not admission.
+    # by slots: fake nodes share this machine's cores, so a replica's measured load is not its node's
     app["args"]["engine_options"]["admission"] = "slots"
     for deployment in app["deployments"]:
         if deployment["name"] == "Ingress":

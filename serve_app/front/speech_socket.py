@@ -94,11 +94,9 @@ class SpeechSession(SocketChannel):
         self.replica_id: str | None = None
         self.text_inbox: Any = None  # the stream's replica's TextInbox (a Ray actor handle)
         self.upstream: Any = None  # the synthesizer stream: cancelled when the session ends
-        self.text_chars = 0
-        self.input_done = False
+        self.text_chars, self.input_done = 0, False
         self.first_delta_s: float | None = None
-        # With word times on: every word sent so far, for a barge-in's spoken_text.
-        self.words_sent: list[WordTime] | None = None
+        self.words_sent: list[WordTime] | None = None  # word times on: sent so far (spoken_text)
 
     # ---- session start ---------------------------------------------------------------------
 

@@ -45,7 +45,8 @@ WAITING_STREAMS = "waiting_streams"
 SLOT_OCCUPANCY = "slot_occupancy"
 STEP_BUDGET_USED = "step_budget_used"
 WORK_DEMAND = "work_demand"
-SIGNALS = (WAITING_STREAMS, SLOT_OCCUPANCY, STEP_BUDGET_USED, WORK_DEMAND)
+SIGNALS = (WAITING_STREAMS, SLOT_OCCUPANCY, STEP_BUDGET_USED)  # every report has these
+OPTIONAL_SIGNALS = (WORK_DEMAND,)  # 0 where absent (an engine that admits by slots)
 
 
 class EngineQueuePolicy:
@@ -114,6 +115,8 @@ def _reports(metrics: dict[str, dict[Any, float]], running: list[Any]) -> dict[A
         values = {name: metrics.get(name, {}).get(replica) for name in SIGNALS}
         if all(value is not None for value in values.values()):
             reports[replica] = {name: float(value) for name, value in values.items()}
+            for name in OPTIONAL_SIGNALS:
+                reports[replica][name] = float(metrics.get(name, {}).get(replica) or 0.0)
     return reports
 
 

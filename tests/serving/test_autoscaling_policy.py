@@ -12,6 +12,7 @@ from serve_app.gpu.autoscaling import (
     SLOT_OCCUPANCY,
     STEP_BUDGET_USED,
     WAITING_STREAMS,
+    WORK_DEMAND,
     EngineQueuePolicy,
     engine_signals,
 )
@@ -30,7 +31,7 @@ class Cluster:
         self.now = 1_000.0
         self.policy = serve_policy._apply_autoscaling_config(EngineQueuePolicy())
 
-    def tick(self, reports: dict[int, tuple[float, float, float] | None],
+    def tick(self, reports: dict[int, tuple[float, ...] | None],
              seconds: float = 10.0, ongoing: float = 0.0, queued_at_callers: float = 0.0) -> int:
         """One control-loop decision after ``seconds``: ``reports`` per replica index (waiting,
         occupancy, step budget), None for a replica that sent nothing. Applies the decision,
@@ -38,11 +39,11 @@ class Cluster:
         self.now += seconds
         running = [f"replica-{i}" for i in range(self.replicas)]
         metrics: dict[str, dict[str, float]] = {WAITING_STREAMS: {}, SLOT_OCCUPANCY: {},
-                                                STEP_BUDGET_USED: {}}
+                                                STEP_BUDGET_USED: {}, WORK_DEMAND: {}}
         for index, values in reports.items():
-            if values is not None:
-                for name, value in zip((WAITING_STREAMS, SLOT_OCCUPANCY, STEP_BUDGET_USED),
-                                       values):
+            if values is not None:  # (waiting, occupancy, step budget[, work demand])
+                for name, value in zip((WAITING_STREAMS, SLOT_OCCUPANCY, STEP_BUDGET_USED,
+                                        WORK_DEMAND), values):
                     metrics[name][running[index]] = value
         context = AutoscalingContext(
             deployment_id=None, deployment_name="Synthesizer", app_name="tts",
@@ -140,7 +141,7 @@ def test_engine_signals_from_engine_stats():
                       step_seconds=8.0, step_budget_s=0.1)
     signals = engine_signals(now, before, waiting_for_admission=1)
     assert signals == {WAITING_STREAMS: 3.0, SLOT_OCCUPANCY: 0.75,
-                       STEP_BUDGET_USED: pytest.approx(0.6)}  # 60 ms steps of a 100 ms budget
+                       STEP_BUDGET_USED: pytest.approx(0.6), WORK_DEMAND: 0.0}  # 60 ms steps of a 100 ms budget
     idle = engine_signals(now, now, waiting_for_admission=0)
     assert idle[STEP_BUDGET_USED] == 0.0
     no_budget = engine_signals(EngineStats(steps=3, step_seconds=1.0, max_slots=8), None, 0)
@@ -160,3 +161,23 @@ def test_every_profile_scales_its_synthesizer_with_the_policy(name: str):
     assert config.policy.policy_function == "serve_app.gpu.autoscaling:EngineQueuePolicy"
     policy = EngineQueuePolicy(**config.policy.policy_kwargs)  # the kwargs are its own
     assert 0 < policy.target_occupancy <= 1
+
+
+def test_refused_work_counts_as_demand(cluster: Cluster):
+    # Admission by work keeps the engine under its limit: occupancy and step stay under their
+    # targets while streams are refused; the refused load in work_demand asks for a replica.
+    assert cluster.tick({0: (0, 0.4, 0.45, 0.7)}) == 1  # admitted work only, under 0.8
+    assert cluster.tick({0: (0, 0.4, 0.45, 1.6)}) == 1  # the engine full, as much again refused
+    for _ in range(3):  # wished for the 30 s upscale delay
+        cluster.tick({0: (0, 0.4, 0.45, 1.6)})
+    assert cluster.replicas == 2
+
+
+def test_the_work_signal_follows_the_engines_admission():
+    before = EngineStats(max_slots=1024, steps=10, step_seconds=0.5, step_budget_s=0.1,
+                         work_load=0.4, work_limit=0.5, refused_load=1.0)
+    now = EngineStats(max_slots=1024, steps=20, step_seconds=1.0, step_budget_s=0.1,
+                      work_load=0.5, work_limit=0.5, refused_load=1.25)
+    assert engine_signals(now, before, 0)[WORK_DEMAND] == pytest.approx((0.5 + 0.25) / 0.5)
+    slots = EngineStats(max_slots=8, work_load=0.3, work_limit=0.0)  # admission by slots
+    assert engine_signals(slots, None, 0)[WORK_DEMAND] == 0.0

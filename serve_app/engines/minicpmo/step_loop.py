@@ -102,7 +102,6 @@ class StepLoop:
         self._step_index = 0  # this step's number (admission_interval_steps counts them)
         self._window_ran = False  # the last step ran an audio window (admission: _plan)
         self._pending_decode: PendingDecode | None = None
-        # the audio each generating stream gets from one step: the real-time budget
         self.step_budget_s = options.steps_per_sync * SAMPLES_PER_CODE_FRAME / SAMPLE_RATE_HZ
         self._wake = threading.Event()
         self._stop = False
@@ -323,10 +322,7 @@ class StepLoop:
         silent = [s for s, _ in pending.decoded if s.first_audio_at is None]
         join_decoded(outbox, [(s, j, a) for (s, j), a in zip(pending.decoded, audio)
                               if not s.done], pending.jobs)
-        for stream in silent:  # how long a first audio takes after admission, for the queue
-            if stream.first_audio_at is not None and stream.admitted_at is not None:
-                self.scheduler.work.observe_first_audio(stream.first_audio_at - stream.admitted_at,
-                                                        stream.plan.is_chat)
+        self.endings.time_first_audio(silent)
         for stream, _ in pending.jobs:
             if not stream.done and stream.schedule.phase is Phase.DONE:
                 self.endings.complete(stream)

@@ -60,6 +60,14 @@ class StreamEndings:
             stream.done = True
             send(self.outbox, stream, self.scheduler.work.refuse_waiting(stream.work))
 
+    def time_first_audio(self, streams: list[Stream]) -> None:
+        """Of ``streams``, silent before the audio just handed out, those that have their first
+        audio now: how long it took after admission, for admission's queue deadline."""
+        for stream in streams:
+            if stream.first_audio_at is not None and stream.admitted_at is not None:
+                self.scheduler.work.observe_first_audio(
+                    stream.first_audio_at - stream.admitted_at, stream.plan.is_chat)
+
     def _release_voice(self, stream: Stream) -> None:
         """The stream no longer holds its voice (the table may drop it again)."""
         self.voices.release([stream.voice])
