@@ -27,7 +27,7 @@ from typing import Any
 
 from loadtest.bench_serve import bench_config, git_commit, gpu_name
 from loadtest.bench_serve import parse_args as serve_args
-from loadtest.overload import LEVELS_X, MIXES, arrivals, capacity_of, summarize
+from loadtest.overload import LEVELS_X, MIXES, arrivals, level_schedules, summarize
 from loadtest.overload_client import offer
 from loadtest.service import ROOT, start_service, stop_service
 
@@ -84,17 +84,13 @@ def service_config(args: argparse.Namespace, admission: str) -> dict[str, Any]:
 
 def run_levels(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
     levels = []
-    for mix in args.mixes:
-        capacity = capacity_of(mix, args.capacity_read, args.capacity_chat,
-                               tuple(args.capacity_mixed))
-        for offered_x in args.levels:
-            schedule = arrivals(mix, capacity, offered_x, args.window_s, args.audio_seconds)
-            fates = offer(base_url, schedule, args.processes)
-            level = summarize(fates, mix, offered_x, args.window_s)
-            level["capacity"] = capacity
-            print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
-            levels.append(level)
-            time.sleep(2.0)  # the last streams' slots and work are given back
+    for mix, capacity, offered_x, schedule in level_schedules(args):
+        fates = offer(base_url, schedule, args.processes)
+        level = summarize(fates, mix, offered_x, args.window_s)
+        level["capacity"] = capacity
+        print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
+        levels.append(level)
+        time.sleep(2.0)  # the last streams' slots and work are given back
     return levels
 
 

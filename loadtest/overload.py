@@ -19,6 +19,7 @@ second; a mix of read and chat at its ratio). Each stream is then one of:
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -142,3 +143,16 @@ def capacity_of(mix: str, read: int, chat: int, mixed: tuple[int, int]) -> dict[
     if mix == "chat":
         return {"chat": chat}
     return {"read": mixed[0], "chat": mixed[1]}
+
+
+def level_schedules(args: Any) -> Iterator[tuple[str, dict[str, int], float,
+                                                 list[tuple[float, str]]]]:
+    """Each level a run offers, in order: (mix, its capacity, offered_x, its arrivals), from the
+    runs' shared arguments (``mixes``, ``levels``, ``capacity_*``, ``window_s``,
+    ``audio_seconds``)."""
+    for mix in args.mixes:
+        capacity = capacity_of(mix, args.capacity_read, args.capacity_chat,
+                               tuple(args.capacity_mixed))
+        for offered_x in args.levels:
+            yield (mix, capacity, offered_x,
+                   arrivals(mix, capacity, offered_x, args.window_s, args.audio_seconds))

@@ -32,8 +32,7 @@ import yaml
 
 from loadtest.bench_overload import acceptance
 from loadtest.bench_serve import git_commit, gpu_name
-from loadtest.overload import (LEVELS_X, MIXES, StreamFate, arrivals, capacity_of, percentile,
-                               summarize)
+from loadtest.overload import LEVELS_X, MIXES, StreamFate, level_schedules, percentile, summarize
 from loadtest.overload_client import CHAT_TEXT, READ_TEXT
 from loadtest.service import ROOT
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
@@ -137,24 +136,19 @@ def engine_figures(engine: MiniCPMOEngine, before: Any, since_s: float,
 
 async def run_levels(engine: MiniCPMOEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
     levels = []
-    for mix in args.mixes:
-        capacity = capacity_of(mix, args.capacity_read, args.capacity_chat,
-                               tuple(args.capacity_mixed))
-        for offered_x in args.levels:
-            schedule = arrivals(mix, capacity, offered_x, args.window_s, args.audio_seconds)
-            t0 = time.perf_counter() + 0.5
-            projected: list[float] = []
-            sampling = asyncio.ensure_future(sample_projection(engine, projected))
-            before = engine.stats()
-            fates = await asyncio.gather(*(one_stream(engine, kind, at, t0)
-                                           for at, kind in schedule))
-            sampling.cancel()
-            level = summarize(list(fates), mix, offered_x, args.window_s)
-            level["capacity"] = capacity
-            level["engine"] = engine_figures(engine, before, t0, projected)
-            print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
-            levels.append(level)
-            await asyncio.sleep(1.0)
+    for mix, capacity, offered_x, schedule in level_schedules(args):
+        t0 = time.perf_counter() + 0.5
+        projected: list[float] = []
+        sampling = asyncio.ensure_future(sample_projection(engine, projected))
+        before = engine.stats()
+        fates = await asyncio.gather(*(one_stream(engine, kind, at, t0) for at, kind in schedule))
+        sampling.cancel()
+        level = summarize(list(fates), mix, offered_x, args.window_s)
+        level["capacity"] = capacity
+        level["engine"] = engine_figures(engine, before, t0, projected)
+        print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
+        levels.append(level)
+        await asyncio.sleep(1.0)
     return levels
 
 
