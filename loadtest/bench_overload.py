@@ -79,7 +79,13 @@ def service_config(args: argparse.Namespace, admission: str) -> dict[str, Any]:
              f"admission={admission}"]
     for option in args.engine_option:
         flags += ["--engine-option", option]
-    return bench_config(serve_args(flags))
+    config = bench_config(serve_args(flags))
+    if admission == "work":  # as build_app derives it: every stream the engine can hold
+        [app] = config["applications"]
+        for deployment in app.get("deployments", []):
+            if deployment["name"] == "Synthesizer":
+                deployment.pop("max_ongoing_requests", None)
+    return config
 
 
 def run_levels(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:

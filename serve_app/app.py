@@ -28,16 +28,19 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
 
     The arguments are checked here, engine_options included, so a bad config fails ``serve
     run`` before any replica starts. The Synthesizer takes as many requests at once
-    (``max_ongoing_requests``) as its engine has slots (:attr:`AppArgs.max_slots`): more would
-    only wait in the engine's queue, out of the router's sight, fewer would leave slots idle. A
-    ``max_ongoing_requests`` in the YAML's ``deployments`` section still wins (Serve applies
-    it over this one): set it there only to mean a different number (serve_config.cpu.yaml).
+    (``max_ongoing_requests``, :attr:`AppArgs.max_ongoing_requests`) as its engine can hold
+    when it admits by work, so the engine refuses at once what it cannot serve in real time;
+    as it has slots when it admits by slots (more would only wait in the engine's queue, out
+    of the router's sight). A ``max_ongoing_requests`` in the YAML's ``deployments`` section
+    still wins (Serve applies it over this one): set it there only to mean a different number
+    (serve_config.cpu.yaml).
     The Synthesizer's router sends each stream to a replica with room for its work
     (:data:`WORK_ROUTING`)."""
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     api = app_args.api
     synthesizer = Synthesizer.options(
-        user_config=app_args.batching.model_dump(), max_ongoing_requests=app_args.max_slots,
+        user_config=app_args.batching.model_dump(),
+        max_ongoing_requests=app_args.max_ongoing_requests,
         request_router_config=WORK_ROUTING,
     ).bind(
         app_args.engine, app_args.engine_kwargs(), first_chunk_timeout_s=api.first_chunk_timeout_s,

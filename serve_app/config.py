@@ -160,6 +160,16 @@ class AppArgs(BaseModel):
         ``max_batch_size``."""
         return self.engine_options.max_slots
 
+    @property
+    def max_ongoing_requests(self) -> int:
+        """The Synthesizer's ``max_ongoing_requests``: admitting by work, every stream the
+        engine can hold (slots and queue), so that what it cannot serve in real time reaches it
+        and is refused at once, not queued by Serve at the caller (where it would wait for a
+        stream to end before its refusal); admitting by slots, its slots (more would only wait
+        in its queue)."""
+        options = self.engine_options
+        return options.max_held if options.admission == "work" else options.max_slots
+
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's options as the plain mapping its factory takes (the Synthesizer's)."""
         return dataclasses.asdict(self.engine_options)

@@ -50,15 +50,22 @@ def _synthesizer(app):
     return synthesizer._bound_deployment
 
 
-@pytest.mark.parametrize(("args", "slots"), [
-    ({"engine": "minicpmo", "engine_options": {"max_slots": 12, "max_chat_slots": 4}}, 12),
-    ({"engine": "piper", "engine_options": {"max_batch_size": 3}}, 3),
-    ({}, PiperOptions.max_batch_size),
+@pytest.mark.parametrize(("args", "ongoing"), [
+    # admitting by work: every stream the engine holds (slots and queue), so the engine
+    # refuses at once what it cannot serve in real time, not Serve's queue at the caller
+    ({"engine": "minicpmo", "engine_options": {"max_slots": 12, "max_chat_slots": 4,
+                                                "max_queued": 20}}, 32),
+    ({"engine": "piper", "engine_options": {"max_batch_size": 3}}, 3 + 256),
+    ({}, PiperOptions.max_batch_size + PiperOptions.max_queued_streams),
+    # admitting by slots: as many as its slots (more would only wait in its queue)
+    ({"engine": "minicpmo", "engine_options": {"max_slots": 12, "max_chat_slots": 4,
+                                                "admission": "slots"}}, 12),
+    ({"engine": "piper", "engine_options": {"max_batch_size": 3, "admission": "slots"}}, 3),
 ])
-def test_the_synthesizer_takes_as_many_requests_as_its_engine_has_slots(args, slots) -> None:
+def test_the_synthesizer_takes_the_requests_its_engine_decides_on(args, ongoing) -> None:
     synthesizer = _synthesizer(build_app(args))
     assert synthesizer.name == "Synthesizer"
-    assert synthesizer.max_ongoing_requests == slots
+    assert synthesizer.max_ongoing_requests == ongoing
 
 
 def test_every_shipped_config_builds_with_typed_options() -> None:
@@ -69,9 +76,9 @@ def test_every_shipped_config_builds_with_typed_options() -> None:
         assert type(args.engine_options) is expected, path.name
         synthesizer = _synthesizer(build_app(app["args"]))
         deployment = {d["name"]: d for d in app["deployments"]}["Synthesizer"]
-        assert synthesizer.max_ongoing_requests == args.max_slots, path.name
+        assert synthesizer.max_ongoing_requests == args.max_ongoing_requests, path.name
         # the YAML sets one only to mean another number (it wins over the derived one)
-        assert deployment.get("max_ongoing_requests") != args.max_slots, path.name
+        assert deployment.get("max_ongoing_requests") != args.max_ongoing_requests, path.name
 
 
 def test_no_shipped_config_asks_for_more_batches_than_its_replica_can_fill() -> None:

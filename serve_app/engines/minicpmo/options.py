@@ -147,6 +147,11 @@ class EngineOptions:
             raise ValueError("text_break_wait_s must be 0 or more seconds")
 
     @property
+    def max_held(self) -> int:
+        """Streams the engine holds at most: in its slots or its queue."""
+        return self.max_slots + self.max_queued
+
+    @property
     def first_chunk_lengths(self) -> list[int]:
         """A first chunk's possible lengths inside a call: ``first_chunk_frames``, then each
         step's end (``steps_per_sync``) before the call's (empty: whole calls)."""

@@ -50,6 +50,11 @@ class PiperOptions:
         """Streams stepped at once (EngineStats.max_slots)."""
         return self.max_batch_size
 
+    @property
+    def max_held(self) -> int:
+        """Streams the engine holds at most, stepped or waiting their turn."""
+        return self.max_batch_size + self.max_queued_streams
+
     @classmethod
     def from_raw(cls, raw: dict[str, Any]) -> "PiperOptions":
         """Options from a plain mapping (serve_config.yaml); unknown keys are an error."""
