@@ -62,11 +62,9 @@ class WorkRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         random.shuffle(replicas)
         if kind is None or not replicas:
             return [replicas]
-        room = {r.replica_id: self._headroom(r, kind) for r in replicas}
-        with_room = [r for r in replicas if room[r.replica_id] >= 1.0]
-        first = sorted(with_room[:2], key=lambda r: -room[r.replica_id])
-        rest = sorted((r for r in replicas if r not in first), key=lambda r: -room[r.replica_id])
-        return [first, rest] if first else [rest]
+        by_id = {r.replica_id: r for r in replicas}
+        ranks = ranked({r.replica_id: self._headroom(r, kind) for r in replicas})
+        return [[by_id[replica_id] for replica_id in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
@@ -86,21 +84,33 @@ class WorkRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
 
     def _headroom(self, replica: RunningReplica, kind: str) -> float:
-        """Streams of ``kind`` the replica has room for: its last report less what this router
-        sent it since, each sent stream weighed by its kind's cost against ``kind``'s (the
-        ratio of the two headrooms). A replica that has not reported yet has room."""
         stats = replica.routing_stats or {}
-        headroom = stats.get(HEADROOM.format(kind=kind))
-        if headroom is None:
-            return float("inf")
         counted, sent = self._sent.get(replica.replica_id, (None, {}))
-        if counted != stats.get(STAMP):
-            return float(headroom)
-        used = 0.0
-        for other, count in sent.items():
-            other_room = stats.get(HEADROOM.format(kind=other)) or 0.0
-            used += count * (headroom / other_room if other_room > 0 else 1.0)
-        return float(headroom) - used
+        return room_left(stats, kind, sent if counted == stats.get(STAMP) else {})
+
+
+def room_left(stats: dict[str, float], kind: str, sent: dict[str, int]) -> float:
+    """Streams of ``kind`` a replica has room for: its last report (``stats``) less what was
+    sent it since (``sent``, by kind), each sent stream weighed by its kind's cost against
+    ``kind``'s (the ratio of the two headrooms). A replica that has not reported has room."""
+    headroom = stats.get(HEADROOM.format(kind=kind))
+    if headroom is None:
+        return float("inf")
+    used = 0.0
+    for other, count in sent.items():
+        other_room = stats.get(HEADROOM.format(kind=other)) or 0.0
+        used += count * (headroom / other_room if other_room > 0 else 1.0)
+    return float(headroom) - used
+
+
+def ranked(rooms: dict[Any, float]) -> list[list[Any]]:
+    """Replica ids (in the order given: shuffled by the caller) in ranks: two of those with
+    room for one more stream, the roomier first; then every other, roomiest first."""
+    with_room = [replica for replica, room in rooms.items() if room >= 1.0]
+    first = sorted(with_room[:2], key=lambda replica: -rooms[replica])
+    rest = sorted((replica for replica in rooms if replica not in first),
+                  key=lambda replica: -rooms[replica])
+    return [first, rest] if first else [rest]
 
 
 def _kind_of(pending_request: PendingRequest | None) -> str | None:
