@@ -243,7 +243,20 @@ class LocalCluster:
             "--include-log-monitor", "false",  # nobody reads worker logs live: save the CPU
         ]
 
-    def _launch(self, name: str, args: list[str]) -> None:
+    def _launch(self, name: str, args: list[str], attempts: int = 2) -> None:
+        """Start node ``name``; a ``ray start`` that gives up by itself is tried once more (on a
+        2-core box at load average 18 one gave up: "the raylet failed to startup or the GCS has
+        become overloaded")."""
+        for attempt in range(attempts, 0, -1):
+            try:
+                self._launch_once(name, args)
+                return
+            except RuntimeError:
+                if attempt == 1:
+                    raise
+                logger.warning("ray node %s did not start; trying once more", name)
+
+    def _launch_once(self, name: str, args: list[str]) -> None:
         log_path = self.temp_dir / f"{name}.log"
         env = {**self.env, **self._node_env(name)}
         if name == "head":
