@@ -222,6 +222,7 @@ def burster(base_url: str, deadline_s: float, tally: Tally, every_s: float, size
     long_text = " ".join(SENTENCES)
     timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
     next_s = time.monotonic() + every_s / 2
+    streams: list[threading.Thread] = []
     while next_s < deadline_s:
         time.sleep(max(0.0, next_s - time.monotonic()))
         next_s += every_s
@@ -236,12 +237,13 @@ def burster(base_url: str, deadline_s: float, tally: Tally, every_s: float, size
                                text_override=long_text, burst=True)
                 except httpx.HTTPError:
                     tally.add("connection_errors")
-        streams = [threading.Thread(target=stream, args=(i % 4 == 0, rng.randrange(2**31)))
-                   for i in range(size)]
-        for thread in streams:
+        burst = [threading.Thread(target=stream, args=(i % 4 == 0, rng.randrange(2**31)))
+                 for i in range(size)]
+        for thread in burst:  # on time, whether or not the last burst's streams have ended
             thread.start()
-        for thread in streams:
-            thread.join(2 * READ_TIMEOUT_S)
+        streams += burst
+    for thread in streams:
+        thread.join(2 * READ_TIMEOUT_S)
 
 
 def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
