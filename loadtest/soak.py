@@ -1,9 +1,14 @@
-"""Soak: mixed load with random disconnects, bad requests and one injected replica crash.
+"""Soak: mixed load with random disconnects, bad requests, overload bursts and one replica crash.
 
 Runs its own ``serve run`` of the CPU profile (``serve_config.cpu.yaml`` as it is, deployments and
 all, plus an API key and the engine's fault injection) on a fresh local Ray cluster, bound to
 127.0.0.1 only, for a given time; then stops it and writes a JSON report: requests accepted, completed, errored, lost (must be 0), client disconnects, status
-codes, 5xx inside and outside the crash window, TTFB, and the replicas' memory at start and end.
+codes, 5xx inside and outside the crash window, refusals, TTFB, and each replica's memory through
+the run with its trend after the warm-up (``loadtest/soak_memory.py``).
+
+Every ``--burst-every-s`` a burst of ``--burst-size`` long streams starts at once, beyond what the
+CPU profile admits: admission by work refuses some (*refused*: a 503 JSON with ``Retry-After``
+and code ``overloaded``, before any audio). A refusal is neither an error nor a loss.
 
     scripts/soak --duration-s 600 --out docs/soak-cpu.json    (or: python -m loadtest.soak ...)
 
@@ -19,6 +24,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -31,6 +37,9 @@ import httpx
 import yaml
 
 from loadtest.service import replicas, start_service, stop_service
+from loadtest.soak_memory import MemorySampler
+from loadtest.soak_requests import (BAD_REQUESTS, SENTENCES, speech_request,
+                                    valid_audio)
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "soak"
@@ -38,21 +47,6 @@ API_KEY = "soak-key"
 CRASH_TEXT = "SOAK-CRASH-NOW"
 READ_TIMEOUT_S = 90.0
 RECOVERY_GRACE_S = 10.0
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Streaming speech should start playing within a fraction of a second.",
-    "Every accepted request ends in a complete stream or an explicit error.",
-    "Numbers like 42 and 3.14 are read aloud as words.",
-    "A client that hangs up frees its slot at once.",
-    "Short one.",
-    "This sentence, with a comma or two, keeps going for a little while longer than most.",
-]
-NATIVE_FORMATS = [("wav", 24000), ("pcm", 16000), ("mp3", 22050), ("flac", 48000),
-                  ("opus", 24000), ("wav", 8000)]
-OPENAI_FORMATS = ["mp3", "wav", "pcm", "opus", "flac"]
-MAGIC = {"wav": b"RIFF", "flac": b"fLaC", "opus": b"OggS"}
-
-
 def soak_config(config_path: Path, port: int) -> dict[str, Any]:
     """The profile's serve config, renamed, on ``port``, with a key and the crash switch."""
     config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
@@ -65,14 +59,6 @@ def soak_config(config_path: Path, port: int) -> dict[str, Any]:
                               "fault_injection": {"crash_process_text": CRASH_TEXT}}
     args["api"] = {**args.get("api", {}), "api_key": API_KEY}
     return config
-
-
-def replica_memory_mb() -> dict[str, list[float]]:
-    """Resident memory of each replica process of this app, by deployment."""
-    memory: dict[str, list[float]] = {}
-    for name, _, rss_mb in sorted(replicas(APP)):
-        memory.setdefault(name, []).append(round(rss_mb, 1))
-    return memory
 
 
 def synthesizer_pids() -> list[int]:
@@ -90,7 +76,6 @@ class Tally:
     lost_examples: list[dict] = field(default_factory=list)
     crash_sent_at_s: float | None = None
     recovered_at_s: float | None = None
-    memory_timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def now(self) -> float:
         return time.monotonic() - self.started_s
@@ -104,60 +89,26 @@ class Tally:
         with self.lock:
             return self.crash_sent_at_s is not None and self.recovered_at_s is None
 
-    def status(self, code: int) -> None:
+    def status(self, code: int, refusal: bool = False) -> None:
         with self.lock:
             self.statuses[str(code)] += 1
-            if code >= 500:
+            if code >= 500 and not refusal:
                 self.server_errors_at_s.append(self.now())
 
 
-def valid_audio(data: bytes, audio_format: str) -> bool:
-    if not data:
+def is_refusal(response: httpx.Response) -> bool:
+    """Admission's refusal: 503, ``Retry-After``, a JSON error whose code is ``overloaded``."""
+    if response.status_code != 503 or "retry-after" not in response.headers:
         return False
-    if audio_format == "pcm":
-        return len(data) % 2 == 0
-    if audio_format == "mp3":
-        return data[:3] == b"ID3" or data[0] == 0xFF
-    return data[:4] == MAGIC[audio_format]
-
-
-def speech_request(rng: random.Random) -> tuple[str, dict[str, Any], str]:
-    text = " ".join(rng.sample(SENTENCES, rng.randint(1, 3)))
-    if rng.random() < 0.5:
-        audio_format = rng.choice(OPENAI_FORMATS)
-        return "/v1/audio/speech", {"model": "tts-1", "voice": "alloy", "input": text,
-                                    "response_format": audio_format}, audio_format
-    audio_format, rate = rng.choice(NATIVE_FORMATS)
-    return "/v1/speech/stream", {"text": text, "format": audio_format, "sample_rate": rate,
-                                 "speed": rng.choice([0.8, 1.0, 1.25])}, audio_format
-
-
-BAD_REQUESTS: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/audio/speech", {"content": b'{"model": "tts-1", "input": ',
-                          "headers": {"content-type": "application/json"}}),
-    ("/v1/audio/speech", {"json": {"model": "tts-1", "voice": "alloy", "input": "  "}}),
-    ("/v1/audio/speech", {"json": {"model": "tts-9", "voice": "alloy", "input": "Hi."}}),
-    ("/v1/speech/stream", {"json": {"text": "Hi.", "sample_rate": 12345}}),
-    ("/v1/speech/stream", {"json": {"text": "a" * 5000}}),
-    # A mode no engine has ("chat" would be bad on Piper only: MiniCPM-o speaks it).
-    ("/v1/speech/stream", {"json": {"text": "Hi.", "mode": "sing"}}),
-    ("/v1/speech/stream", {"content": b"text=hi", "headers": {"content-type": "text/plain"}}),
-    ("/v1/speech/stream", {"json": {"text": "Hi."}, "headers": {"authorization": "Bearer no"}}),
-    ("/v1/speech/stream", {"content": b"x" * 70_000,
-                           "headers": {"content-type": "application/json"}}),
-]
-# Text with nothing to speak or a NUL (serve_app/engines/text_rule.py): a JSON 400 each, never a 5xx or
-# an empty 200. Sent as escaped JSON, since a lone surrogate cannot be encoded as UTF-8.
-HOSTILE_TEXTS = ["\u0000\u0001\u0002", "Hello\u0000world", "\u200b\u200b\u200b", " \t\u0007 ",
-                 "...", "\U000c4a7e", "\ud800\u202e\ufeff"]
-BAD_REQUESTS += [
-    ("/v1/speech/stream", {"content": json.dumps({"text": text, "format": "wav"}).encode(),
-                           "headers": {"content-type": "application/json"}})
-    for text in HOSTILE_TEXTS]
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        return False
+    return isinstance(error, dict) and error.get("code") == "overloaded"
 
 
 def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnect: bool,
-               text_override: str | None = None) -> None:
+               text_override: str | None = None, burst: bool = False) -> None:
     path, body, audio_format = speech_request(rng)
     if text_override is not None:
         body = {"text": text_override, "format": "pcm"}
@@ -168,16 +119,25 @@ def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnec
     data = b""
     try:
         with client.stream("POST", path, json=body) as response:
-            tally.status(response.status_code)
             if response.status_code != 200:
                 response.read()
-                kind = "rejected_5xx" if response.status_code >= 500 else "rejected_4xx"
+                refused = is_refusal(response)
+                tally.status(response.status_code, refusal=refused)
+                kind = ("refused" if refused else
+                        "rejected_5xx" if response.status_code >= 500 else "rejected_4xx")
                 tally.add(kind)
+                if burst:
+                    tally.add(f"burst_{kind}")
+                elif refused:  # a worker waits as told, as a client would
+                    time.sleep(min(float(response.headers["retry-after"] or 1), 5.0))
                 if not response.headers.get("content-type", "").startswith("application/json"):
                     tally.add("non_json_errors")
                 return
+            tally.status(200)
             accepted = True
             tally.add("accepted")
+            if burst:
+                tally.add("burst_accepted")
             for piece in response.iter_raw():
                 if not data:
                     with tally.lock:
@@ -254,11 +214,36 @@ def worker(base_url: str, deadline_s: float, tally: Tally, seed: int) -> None:
                 tally.add("connection_errors")
 
 
-def sample_memory(deadline_s: float, tally: Tally, every_s: float = 30.0) -> None:
-    """Replica memory every ``every_s`` seconds: bounded means it levels off."""
-    while time.monotonic() < deadline_s:
-        tally.memory_timeline.append({"t_s": round(tally.now()), **replica_memory_mb()})
-        time.sleep(min(every_s, max(0.0, deadline_s - time.monotonic())))
+def burster(base_url: str, deadline_s: float, tally: Tally, every_s: float, size: int,
+            seed: int) -> None:
+    """Every ``every_s`` seconds (the first half that in), ``size`` long pcm streams at once,
+    each on a connection of its own; a quarter hang up after their first audio."""
+    rng = random.Random(seed)
+    long_text = " ".join(SENTENCES)
+    timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
+    next_s = time.monotonic() + every_s / 2
+    streams: list[threading.Thread] = []
+    while next_s < deadline_s:
+        time.sleep(max(0.0, next_s - time.monotonic()))
+        next_s += every_s
+        tally.add("bursts")
+
+        def stream(disconnect: bool, stream_seed: int) -> None:
+            with httpx.Client(base_url=base_url, timeout=timeout,
+                              headers={"authorization": f"Bearer {API_KEY}"}) as client:
+                try:
+                    tally.add("burst_streams_sent")
+                    one_speech(client, tally, random.Random(stream_seed), disconnect=disconnect,
+                               text_override=long_text, burst=True)
+                except httpx.HTTPError:
+                    tally.add("connection_errors")
+        burst = [threading.Thread(target=stream, args=(i % 4 == 0, rng.randrange(2**31)))
+                 for i in range(size)]
+        for thread in burst:  # on time, whether or not the last burst's streams have ended
+            thread.start()
+        streams += burst
+    for thread in streams:
+        thread.join(2 * READ_TIMEOUT_S)
 
 
 def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
@@ -273,25 +258,31 @@ def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
 
 
 def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: float | None,
-             seed: int = 1, memory_every_s: float = 30.0) -> dict[str, Any]:
+             seed: int = 1, memory_every_s: float = 30.0, memory_warmup_s: float = 300.0,
+             burst_every_s: float = 0.0, burst_size: int = 0) -> dict[str, Any]:
     """Drive the app at ``base_url`` (already deployed as ``APP``) and return the report."""
-    memory_start = replica_memory_mb()
     pids_before = synthesizer_pids()
     tally = Tally()
+    memory = MemorySampler(APP, tally.now, memory_every_s, memory_warmup_s)
+    memory_start = memory.by_deployment(record=False)
     deadline_s = tally.started_s + duration_s
     threads = [threading.Thread(target=worker, args=(base_url, deadline_s, tally, seed + i))
                for i in range(concurrency)]
     if crash_at_s is not None:
         threads.append(threading.Thread(target=crasher, args=(base_url, crash_at_s, tally)))
-    threads.append(threading.Thread(target=sample_memory, args=(deadline_s, tally,
-                                                                memory_every_s)))
+    if burst_every_s > 0 and burst_size > 0:
+        threads.append(threading.Thread(target=burster, args=(
+            base_url, deadline_s, tally, burst_every_s, burst_size, seed + 10_000)))
+    memory.start()
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(duration_s + 2 * READ_TIMEOUT_S + 60)
+        thread.join(duration_s + 3 * READ_TIMEOUT_S + 60)
     still_running = sum(thread.is_alive() for thread in threads)
     elapsed_s = tally.now()
-    memory_end = replica_memory_mb()
+    memory.stop()
+    memory_end = memory.by_deployment()
+    trend = memory.report()
     counts = tally.counts
     window = None
     if tally.crash_sent_at_s is not None:
@@ -310,6 +301,12 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
         "errored": counts["errored"],
         "client_disconnects": counts["client_disconnects"],
         "lost": counts["lost"] + still_running,
+        "ingress_rss_slope_mb_per_min": trend["ingress_rss_slope_mb_per_min"],
+        "refused": counts["refused"],
+        "bursts": {"every_s": burst_every_s, "size": burst_size, "count": counts["bursts"],
+                   "streams_sent": counts["burst_streams_sent"],
+                   "accepted": counts["burst_accepted"], "refused": counts["burst_refused"],
+                   "rejected_5xx": counts["burst_rejected_5xx"]},
         "lost_examples": tally.lost_examples[:10],
         "rejected_4xx": counts["rejected_4xx"],
         "rejected_5xx": counts["rejected_5xx"],
@@ -328,7 +325,7 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
         "ttfb_ms": {"p50": round(1000 * statistics.median(ttfb), 1) if ttfb else None,
                     "p95": round(1000 * ttfb[int(0.95 * (len(ttfb) - 1))], 1) if ttfb else None},
         "memory_rss_mb": {"start": memory_start, "end": memory_end,
-                          "timeline": tally.memory_timeline},
+                          "timeline": memory.timeline, "trend": trend},
     }
 
 
@@ -348,6 +345,11 @@ def main() -> None:
     parser.add_argument("--no-crash", action="store_true")
     parser.add_argument("--memory-every-s", type=float, default=30.0,
                         help="sample the replicas' resident memory this often")
+    parser.add_argument("--memory-warmup-s", type=float, default=300.0,
+                        help="each replica's RSS slope is fitted to the samples after this")
+    parser.add_argument("--burst-every-s", type=float, default=0.0,
+                        help="a burst of --burst-size long streams this often (0: none)")
+    parser.add_argument("--burst-size", type=int, default=24)
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.cpu.yaml")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "soak-cpu.json")
@@ -361,7 +363,10 @@ def main() -> None:
         crash_at_s = None if options.no_crash else (
             options.crash_at_s if options.crash_at_s is not None else options.duration_s / 3)
         report = run_load(base_url, options.duration_s, options.concurrency, crash_at_s,
-                          memory_every_s=options.memory_every_s)
+                          memory_every_s=options.memory_every_s,
+                          memory_warmup_s=options.memory_warmup_s,
+                          burst_every_s=options.burst_every_s, burst_size=options.burst_size)
+        report["command"] = "scripts/soak " + " ".join(sys.argv[1:])
         report["profile"] = f"{options.config.name} (engine: {service_engine(options.config)})"
         report["config"] = str(options.config.relative_to(ROOT)
                                if options.config.is_relative_to(ROOT) else options.config)
