@@ -265,8 +265,6 @@ def fleet_app_config(port: int, config_path: Path = DEMO_CONFIG) -> dict[str, An
     # few streams to ask for a second replica. Each stream is held as long as its audio plays
     # (1 s ahead of its listener), as a GPU engine at load holds it.
     app["args"].setdefault("engine_options", {})["paced_lead_s"] = PACED_LEAD_S
-    # by slots: fake nodes share this machine's cores, so a replica's measured load is not its node's
-    app["args"]["engine_options"]["admission"] = "slots"
     for deployment in app["deployments"]:
         if deployment["name"] == "Ingress":
             deployment.setdefault("ray_actor_options", {})["resources"] = {FRONT: 1}
