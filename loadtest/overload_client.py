@@ -17,14 +17,11 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.bench_serve import CHAT_TEXT, NATIVE_ROUTE, READ_TEXT
 from loadtest.overload import StreamFate
+from loadtest.stream_clients import PCM_BYTES_PER_S
 
-NATIVE_ROUTE = "/v1/speech/stream"
 SOCKET_ROUTE = "/v1/audio/speech/stream"
-PCM_BYTES_PER_S = 24000 * 2
-READ_TEXT = ("Streaming speech synthesis turns text into audio while the text is still arriving. "
-             "The weather today is sunny and warm, and I hope you have a wonderful day ahead.")
-CHAT_TEXT = "Tell me something nice about the sea."
 GIVE_UP_S = 300.0
 
 

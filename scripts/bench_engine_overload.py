@@ -33,7 +33,7 @@ import yaml
 from loadtest.bench_overload import acceptance
 from loadtest.bench_serve import git_commit, gpu_name
 from loadtest.overload import LEVELS_X, MIXES, StreamFate, level_schedules, percentile, summarize
-from loadtest.overload_client import CHAT_TEXT, READ_TEXT
+from loadtest.bench_serve import CHAT_TEXT, READ_TEXT
 from loadtest.service import ROOT
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.minicpmo.engine import MiniCPMOEngine

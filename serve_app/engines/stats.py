@@ -52,6 +52,11 @@ class EngineStats:
             setattr(self, name, value)
         return self
 
+    def has_room(self, kind: str = "read") -> bool:
+        """Whether one more stream of ``kind`` fits (always, where the engine admits by slots:
+        its queue decides)."""
+        return self.work_limit <= 0 or self.headroom(kind) >= 1
+
     def headroom(self, kind: str = "read") -> float:
         """How many more streams of ``kind`` fit the real-time budget now (0 when none; a large
         number where the engine admits by slots alone)."""

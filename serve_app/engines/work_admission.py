@@ -52,8 +52,6 @@ REFUSAL_REASONS = ("work", "wait", "queue")
 # New streams wait while the last steps' measured load (EWMA) is this far over the limit.
 MEASURED_SLACK = 0.1
 MIN_WAIT_STEPS = 2  # a queued stream may always wait this many steps for its slot
-# A refusal tells the caller when to retry: streams end and free work within seconds.
-RETRY_AFTER_S = 1.0
 # The fit's assumed noise in one step's load (its std, as a share of the budget): the prior's
 # weight against the data.
 STEP_LOAD_NOISE = 0.05
@@ -102,7 +100,6 @@ class StepLoadModel:
         self._window: collections.deque[tuple[np.ndarray, float]] = collections.deque()
         self.theta = self._prior.copy()
         self._stale = False
-        self.steps_seen = 0
 
     def observe(self, counts: Sequence[float], load: float) -> None:
         """One step: the open streams by kind, and the load it measured."""
@@ -118,7 +115,6 @@ class StepLoadModel:
             self._xx -= np.outer(old, old)
             self._xy -= old * old_load
         self._stale = True
-        self.steps_seen += 1
 
     def _fitted(self) -> np.ndarray:
         if self._stale:
@@ -222,6 +218,18 @@ class WorkAdmission:
                     "refused_load": self.counters.refused_load}
 
     # ---- step thread -----------------------------------------------------------------------
+
+    def committed(self) -> np.ndarray:
+        """The admitted and queued streams by kind (STREAM_KINDS counts)."""
+        with self._lock:
+            return self._committed.copy()
+
+    def shortest_wait_s(self) -> float:
+        """The shortest a queued stream of any kind may wait (inf admitting by slots)."""
+        if not self.by_work:
+            return math.inf
+        with self._lock:
+            return min(self._wait_allowance_s(False), self._wait_allowance_s(True))
 
     def observe_step(self, counts: np.ndarray, load: float, step_s: float) -> None:
         """One step ran with ``counts`` streams open by kind and measured ``load``."""

@@ -158,8 +158,7 @@ class Synthesizer:
         """Load the request's stored voice if need be, wait for the request's batch to be
         submitted, then relay its engine stream. A stream in a stored voice that the engine
         has no room for is refused before its voice is loaded (the engine's last stats)."""
-        stats = self._engine.stats()
-        if is_voice_id(request.voice) and stats.work_limit > 0 and stats.headroom(request.mode) < 1:
+        if is_voice_id(request.voice) and not self._engine.stats().has_room(request.mode):
             yield errors.overloaded("work")
             return
         admitted = await self._voices.admit(request, self._admission)

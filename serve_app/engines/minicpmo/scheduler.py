@@ -139,6 +139,8 @@ class Scheduler:
         self._max_queued = max_queued
         self._admission_interval = max(admission_interval_steps, 1)
         self.work = work  # admission by work (or slots): the gate at enqueue
+        # the running streams by kind (STREAM_KINDS counts), kept as they start and leave
+        self._running = np.zeros(len(STREAM_KINDS))
         self._admissions_per_step = admissions_per_step
         self._stats = EngineStats(max_slots=max_slots)
 
@@ -187,17 +189,14 @@ class Scheduler:
 
     def open_by_kind(self) -> np.ndarray:
         """The running streams by kind (STREAM_KINDS counts), for the admission's step model."""
-        counts = np.zeros(len(STREAM_KINDS))
-        for stream in self.active.values():
-            counts += stream.work.vector()
-        return counts
+        return self._running.copy()
 
     def expire_waiting(self, now: float) -> list[Stream]:
         """Queued streams whose first audio can no longer come in time (admission by work):
         out of the queue, their work released; the caller refuses them."""
         with self.lock:
-            if not self.pending:
-                return []
+            if not self.pending or now - self.pending[0].submitted_at <= self.work.shortest_wait_s():
+                return []  # the oldest has not waited past any allowance: none has
             late = self.work.expired([(now - s.submitted_at, s.plan.is_chat)
                                       for s in self.pending])
             if not any(late):
@@ -254,6 +253,7 @@ class Scheduler:
                     stream.llm_slot = heapq.heappop(self._free_llm_slots)
                 admitted.append(stream)
                 self.active[stream.request_id] = stream
+                self._running += stream.work.vector()
         return admitted
 
     def admit_within(self, step: int, budget: PrefillBudget,
@@ -276,7 +276,8 @@ class Scheduler:
     def release(self, stream: Stream) -> None:
         """The stream leaves: its slots and its work are free for the next admission."""
         self._uncommit(stream)
-        self.active.pop(stream.request_id, None)
+        if self.active.pop(stream.request_id, None) is not None:
+            self._running -= stream.work.vector()
         with self.lock:
             self._streamed.pop(stream.request_id, None)
             if stream.slot >= 0:

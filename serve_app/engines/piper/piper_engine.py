@@ -74,7 +74,7 @@ from serve_app.engines.piper.piper_text import VOICE_NAME, Phonemizer, check_req
 from serve_app.engines.piper.piper_voice import load_voice, synthesize_batch
 from serve_app.engines.streamed_text import ClauseFeed, unknown_stream
 from serve_app.engines.text_rule import MAX_TEXT_CHARS
-from serve_app.engines.work_admission import STREAM_KINDS, StreamWork, WorkAdmission
+from serve_app.engines.work_admission import StreamWork, WorkAdmission
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +221,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
                     pass
                 continue
             started_s = time.perf_counter()
-            open_by_kind = sum((_work_of(s.request).vector() for s in self._streams.values()),
-                               np.zeros(len(STREAM_KINDS)))
+            open_by_kind = self._work.committed()  # every held stream is open: no queue
             results = await loop.run_in_executor(self._executor, self._step, streams)
             step_s = time.perf_counter() - started_s
             self._observe_load(open_by_kind, results, step_s)
