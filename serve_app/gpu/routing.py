@@ -16,7 +16,8 @@ A request is refused only when the replica it reaches has no room, which the ran
 case only when no replica reported room. Reports come every ``request_routing_stats_period_s``;
 between two reports the router counts what it sent to each replica against its headroom.
 Calls other than ``synthesize`` (info, stats, voices) go to any replica, as Serve's own router
-would send them. Named in ``serve_config.yaml`` (the Synthesizer's ``request_router_config``).
+would send them. ``build_app`` sets it as the Synthesizer's ``request_router_config``
+(``serve_app/app.py:WORK_ROUTING``), for every profile.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from ..base import (
     SpeechRequest,
 )
 from ..streamed_text import StreamedText, unknown_stream
+from ..work_admission import STREAM_KINDS, StreamWork, WorkAdmission
 from .device.runner import pass_fits
 from .joiner import StreamingAudioJoiner
 from .speech_schedule import SpeechSchedule
 from .text import PieceDecoder, TextFeed
-from ..work_admission import STREAM_KINDS, StreamWork, WorkAdmission
 from .voices import VoicePrefix
 from .word_times import ReleasedWords
 
