@@ -119,6 +119,7 @@ OVERLOAD_REASONS = {
     "work": "every replica's real-time budget is in use",
     "wait": "no replica could start the stream in time",
     "queue": "every queue on the way is full",
+    "behind": "the engine is catching up on the streams it holds",
     "voices": "every loaded voice is in use",
 }
 

@@ -37,6 +37,7 @@ from bench.served.run import CHAT_TEXT, READ_TEXT
 from harness.service import ROOT
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.minicpmo.engine import MiniCPMOEngine
+from serve_app.engines.work_admission import REFUSAL_REASONS
 
 SAMPLE_RATE_HZ = 24000
 _ids = itertools.count()
@@ -46,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "serve_config.yaml")
     parser.add_argument("--admissions", nargs="+", default=["work", "slots"],
-                        help="work, slots, or work:MARGIN (admission by work at that margin "
-                             "instead of the config's: written under variants)")
+                        help="work, slots, or work:MARGIN[:HOLD] (admission by work at that "
+                             "margin, and behind_hold_s HOLD, instead of the config's: written "
+                             "under variants)")
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     parser.add_argument("--levels", nargs="+", type=float, default=list(LEVELS_X))
     parser.add_argument("--capacity-read", type=int, default=1024)
@@ -67,10 +69,13 @@ def engine_options(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     config = yaml.safe_load(args.config.read_text(encoding="utf-8"))
     [app] = config["applications"]
     options = dict(app["args"]["engine_options"])
-    admission, _, margin = variant.partition(":")
+    admission, _, rest = variant.partition(":")
+    margin, _, hold = rest.partition(":")
     options["admission"] = admission
     if margin:
         options["admission_margin"] = float(margin)
+    if hold:
+        options["behind_hold_s"] = float(hold)
     options["max_queued"] = max(options.get("max_queued", 256), 4096)
     options["benchmark"] = {"random_weights": args.checkpoint is None,
                             "tts_tokenizer": str(ROOT / "tests" / "golden" / "chattts_tokenizer"),
@@ -131,7 +136,8 @@ def engine_figures(engine: MiniCPMOEngine, before: Any, since_s: float,
             "work_limit": stats.work_limit, "read_stream_load": stats.read_stream_load,
             "chat_stream_load": stats.chat_stream_load,
             **{f"refused_{reason}": getattr(stats, f"refused_{reason}")
-               - getattr(before, f"refused_{reason}") for reason in ("work", "wait", "queue")}}
+               - getattr(before, f"refused_{reason}") for reason in REFUSAL_REASONS},
+            "ran_dry_chunks": stats.ran_dry_chunks - before.ran_dry_chunks}
 
 
 async def run_levels(engine: MiniCPMOEngine, args: argparse.Namespace) -> list[dict[str, Any]]:

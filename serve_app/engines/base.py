@@ -229,6 +229,13 @@ class Outbox:
 
     def __init__(self) -> None:
         self._items: list[tuple[OutputSink, str, object]] = []
+        # audio chunks that came after their listener had played all it had (the engine's own
+        # count of streams running late; admission by work holds on it)
+        self.ran_dry = 0
+
+    def take_ran_dry(self) -> int:
+        count, self.ran_dry = self.ran_dry, 0
+        return count
 
     def put(self, sink: OutputSink, request_id: str, item: object) -> None:
         if getattr(sink, "per_item", False):

@@ -41,6 +41,8 @@ class EngineStats:
     refused_work: int = 0
     refused_wait: int = 0
     refused_queue: int = 0
+    refused_behind: int = 0
+    ran_dry_chunks: int = 0  # chunks that came after their listener had played all it had
     refused_load: float = 0.0
 
     def as_dict(self) -> dict[str, float]:

@@ -30,6 +30,13 @@ its first audio can still come within ``first_audio_deadline_s``; past that it i
 (reason ``wait``), still before any work on it. At submission, a queue that already holds more
 than that time's admissions refuses at once.
 
+**Behind**: the model projects a steady step; a burst of admissions, a slower mix or a pause can
+still let a listener's audio run out (a stream *ran dry*: its next audio came after it had
+played all it had). With ``behind_hold_s`` set, a step where any stream ran dry stops
+admission for that long: new streams are refused (reason ``behind``) and queued ones wait
+for a slot, so the engine catches up on what it holds instead of taking more. The model's
+projection alone cannot see what the engine's listeners see.
+
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
 timeouts allow): the A/B of the overload benchmark.
 """
@@ -39,6 +46,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -48,7 +56,7 @@ from .errors import EngineOverloadedError
 
 STREAM_KINDS = ("read", "chat", "cloned", "streamed")
 ADMISSION_MODES = ("work", "slots")
-REFUSAL_REASONS = ("work", "wait", "queue")
+REFUSAL_REASONS = ("work", "wait", "queue", "behind")
 # New streams wait while the last steps' measured load (EWMA) is this far over the limit.
 MEASURED_SLACK = 0.1
 MIN_WAIT_STEPS = 2  # a queued stream may always wait this many steps for its slot
@@ -151,7 +159,7 @@ class WorkAdmission:
     the step thread observes steps and expires waiting streams."""
 
     def __init__(self, mode: str, margin: float, first_audio_deadline_s: float,
-                 max_slots: int, max_chat_slots: int) -> None:
+                 max_slots: int, max_chat_slots: int, behind_hold_s: float = 0.0) -> None:
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}")
         if not 0 <= margin < 1:
@@ -169,6 +177,8 @@ class WorkAdmission:
         self._first_audio_s = [0.0, 0.0]  # admission to first audio, read and chat (EWMA)
         self._step_s = 0.0  # recent step time (EWMA)
         self.measured_load = 0.0  # recent steps' load as measured (EWMA), the model aside
+        self.behind_hold_s = behind_hold_s
+        self._behind_until = 0.0  # time.monotonic() until which admission holds (Behind)
         self.counters = AdmissionCounters()
 
     @property
@@ -190,6 +200,10 @@ class WorkAdmission:
                 if load > self.limit or self.measured_load > self.limit + MEASURED_SLACK:
                     self._refuse("work", added)
                     raise EngineOverloadedError("the engine's real-time budget is full", "work")
+                if self._behind():
+                    self._refuse("behind", added)
+                    raise EngineOverloadedError(
+                        "the engine is catching up on the streams it holds", "behind")
                 if admissions_per_step and queued_ahead:
                     wait_s = math.ceil((queued_ahead + 1) / admissions_per_step) * self._step_s
                     if wait_s > max(self._wait_allowance_s(w.chat) for w in works):
@@ -231,9 +245,19 @@ class WorkAdmission:
         with self._lock:
             return min(self._wait_allowance_s(False), self._wait_allowance_s(True))
 
-    def observe_step(self, counts: np.ndarray, load: float, step_s: float) -> None:
-        """One step ran with ``counts`` streams open by kind and measured ``load``."""
+    def holding(self) -> bool:
+        """Whether admission holds because a stream ran dry lately (Behind): queued streams
+        wait for their slots meanwhile."""
         with self._lock:
+            return self._behind()
+
+    def observe_step(self, counts: np.ndarray, load: float, step_s: float,
+                     ran_dry: int = 0) -> None:
+        """One step ran with ``counts`` streams open by kind and measured ``load``; ``ran_dry``
+        of its chunks came after their listener had played all it had."""
+        with self._lock:
+            if ran_dry and self.by_work and self.behind_hold_s:
+                self._behind_until = time.monotonic() + self.behind_hold_s
             self._step_s = step_s if not self._step_s else 0.9 * self._step_s + 0.1 * step_s
             if counts.any():
                 self.model.observe(counts, load)
@@ -265,6 +289,9 @@ class WorkAdmission:
         return EngineOverloadedError("the engine could not start it in time", "wait")
 
     # ---- inside the lock ---------------------------------------------------------------------
+
+    def _behind(self) -> bool:
+        return self.by_work and time.monotonic() < self._behind_until
 
     def _wait_allowance_s(self, chat: bool) -> float:
         """How long a queued stream may wait for its slot: what its deadline leaves after its

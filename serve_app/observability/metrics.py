@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from serve_app.engines.base import EngineStats
+from serve_app.engines.work_admission import REFUSAL_REASONS
 
 logger = logging.getLogger(__name__)
 Method = TypeVar("Method", bound=Callable[..., None])
@@ -46,6 +47,7 @@ ENGINE_STREAMS_TOTAL = "tts_engine_streams_total"
 ENGINE_DEVICE_MEMORY_PEAK = "tts_engine_device_memory_peak_bytes"
 ENGINE_WORK_LOAD = "tts_engine_work_load"
 ENGINE_ADMISSIONS_TOTAL = "tts_engine_admissions_total"
+ENGINE_RAN_DRY_TOTAL = "tts_engine_chunks_ran_dry_total"
 
 ALL_METRICS: tuple[str, ...] = (
     TTFB_SECONDS, HTTP_STREAMS_ACTIVE, ERRORS_TOTAL, REAL_TIME_FACTOR, AUDIO_SECONDS_TOTAL,
@@ -165,8 +167,12 @@ class SynthesizerMetrics:
         self._admissions = Counter(ENGINE_ADMISSIONS_TOTAL, description="Streams the engine "
                                    "admitted (outcome=admitted) or refused with a 503, by "
                                    "reason: work (real-time budget full), wait (could not "
-                                   "start in time), queue (queue full)",
+                                   "start in time), queue (queue full), behind (a listener "
+                                   "ran dry lately: the engine catches up first)",
                                    tag_keys=("outcome", "reason"))
+        self._ran_dry = Counter(ENGINE_RAN_DRY_TOTAL, description="Audio chunks the engine "
+                                "sent after their listener had played all it had (a stream "
+                                "running late at the engine; 0 while it keeps real time)")
         self._last = EngineStats()
 
     @_never_raises
@@ -194,7 +200,9 @@ class SynthesizerMetrics:
         if stats.admitted_streams > last.admitted_streams:
             self._admissions.inc(stats.admitted_streams - last.admitted_streams,
                                  tags={"outcome": "admitted", "reason": "fits"})
-        for reason in ("work", "wait", "queue"):
+        if stats.ran_dry_chunks > last.ran_dry_chunks:
+            self._ran_dry.inc(stats.ran_dry_chunks - last.ran_dry_chunks)
+        for reason in REFUSAL_REASONS:
             grown = getattr(stats, f"refused_{reason}") - getattr(last, f"refused_{reason}")
             if grown > 0:
                 self._admissions.inc(grown, tags={"outcome": "refused", "reason": reason})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import time
 
 import numpy as np
 import pytest
@@ -157,6 +158,32 @@ def test_a_queue_that_would_start_a_stream_too_late_refuses_it_at_once():
     with pytest.raises(EngineOverloadedError) as refused:
         admission.take([READ], queued_ahead=160, admissions_per_step=16)  # 11 steps: 0.55 s
     assert refused.value.reason == "queue"
+
+
+def test_a_stream_running_dry_holds_admission_until_the_engine_catches_up():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16,
+                              behind_hold_s=0.3)
+    counts = np.array([4.0, 0.0, 0.0, 0.0])
+    admission.observe_step(counts, 0.1, 0.05)  # on time: admission stays open
+    admission.take([READ])
+    admission.observe_step(counts, 0.1, 0.05, ran_dry=1)
+    assert admission.holding()
+    with pytest.raises(EngineOverloadedError) as refused:
+        admission.take([READ])
+    assert refused.value.reason == "behind"
+    assert admission.snapshot()["refused_behind"] == 1
+    time.sleep(0.4)  # the hold is over with no dry step since
+    assert not admission.holding()
+    admission.take([READ])
+
+
+def test_without_a_hold_or_admitting_by_slots_a_dry_stream_changes_nothing():
+    for admission in (WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16),
+                      WorkAdmission("slots", 0.5, 0.5, max_slots=64, max_chat_slots=16,
+                                    behind_hold_s=5.0)):
+        admission.observe_step(np.array([4.0, 0.0, 0.0, 0.0]), 0.1, 0.05, ran_dry=3)
+        assert not admission.holding()
+        admission.take([READ])
 
 
 def test_the_reason_survives_the_hop_between_processes():

@@ -120,7 +120,7 @@ class MiniCPMOEngine(SubmitsIterators):
         self._terminators = chat.terminators
         work = WorkAdmission(options.admission, options.admission_margin,
                              options.first_audio_deadline_s, options.max_slots,
-                             options.max_chat_slots)
+                             options.max_chat_slots, options.behind_hold_s)
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
                                     options.admission_interval_steps, work,
                                     options.prefill_prompts)

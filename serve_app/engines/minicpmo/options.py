@@ -50,6 +50,10 @@ class EngineOptions:
     admission: Literal["work", "slots"] = "work"
     admission_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
     first_audio_deadline_s: Annotated[float, Field(gt=0.0)] = 0.5
+    # admitting by work, a step where a stream's audio came after its listener had played all
+    # it had stops admission for this long: new streams are refused (reason "behind"), queued
+    # ones wait; 0 never holds (work_admission.py, "Behind")
+    behind_hold_s: Annotated[float, Field(ge=0.0)] = 0.0
     tts_max_positions: Positive = 1536
     llm_max_positions: Positive = 2048
     chunk_frames: Positive = 25

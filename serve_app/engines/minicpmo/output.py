@@ -65,6 +65,8 @@ def emit(outbox: Outbox, stream: Stream, samples: np.ndarray, final: bool = Fals
         stream.schedule.text_since_emit = ""
     stream.chunks_sent += 1
     if len(samples):
+        if stream.played_out_at is not None and stream.played_out_at < now:
+            outbox.ran_dry += 1
         stream.played_out_at = (max(stream.played_out_at or now, now)
                                 + len(samples) / SAMPLE_RATE_HZ)
     words = () if stream.words is None else stream.words.chunk(

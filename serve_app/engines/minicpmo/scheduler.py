@@ -239,6 +239,8 @@ class Scheduler:
         rest wait, in order, for the next step."""
         if self.active and step % self._admission_interval:
             return []  # batch admissions: one LLM prefill per few steps instead of one per step
+        if self.active and self.work.holding():
+            return []  # a listener ran dry lately: the engine catches up first (WorkAdmission)
         admitted: list[Stream] = []
         with self.lock:
             while self.pending and self._free_slots:
@@ -286,8 +288,10 @@ class Scheduler:
                 heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.slot = stream.llm_slot = -1
 
-    def count(self, completed: int = 0, failed: int = 0, llm_steps: int = 0) -> None:
+    def count(self, completed: int = 0, failed: int = 0, llm_steps: int = 0,
+              ran_dry: int = 0) -> None:
         with self.lock:
+            self._stats.ran_dry_chunks += ran_dry
             self._stats.completed += completed
             self._stats.failed += failed
             self._stats.llm_steps += llm_steps

@@ -151,8 +151,11 @@ class StepLoop:
             step_s = time.perf_counter() - started_s
             self.scheduler.count_step_time(step_s, time.thread_time() - cpu_started_s)
             self.admission.audio_cuts.observe(step_s)
+            ran_dry = self.endings.outbox.take_ran_dry()
+            self.scheduler.count(ran_dry=ran_dry)
             # the step's load against what ran in it (the streams open when it began)
-            self.scheduler.work.observe_step(open_by_kind, step_s / self.step_budget_s, step_s)
+            self.scheduler.work.observe_step(open_by_kind, step_s / self.step_budget_s, step_s,
+                                             ran_dry)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""

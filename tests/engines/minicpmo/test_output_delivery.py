@@ -75,3 +75,22 @@ def test_a_steps_chunks_for_every_stream_leave_in_one_delivery(engine) -> None:
     for name, iterated in zip(IDS, asyncio.run(through_iterators())):
         delivered = np.concatenate([item.samples for item in per_stream[name]])
         np.testing.assert_array_equal(delivered, iterated)
+
+
+def test_a_chunk_after_its_listener_played_all_it_had_is_counted_as_ran_dry() -> None:
+    from serve_app.engines.base import Outbox
+    from serve_app.engines.minicpmo.output import emit
+    from serve_app.engines.minicpmo.scheduler import Stream, StreamPlan
+
+    outbox = Outbox()
+    stream = Stream(StreamPlan(SpeechRequest("dry", TEXT), prompt="", pieces=[TEXT]),
+                    sink=lambda items: None, submitted_at=0.0)
+    tenth_of_a_second = np.zeros(2400, dtype=np.float32)
+    emit(outbox, stream, tenth_of_a_second)  # the first audio: nothing played yet
+    emit(outbox, stream, tenth_of_a_second)  # 0.1 s still to play: on time
+    assert outbox.take_ran_dry() == 0
+    stream.played_out_at -= 1.0  # the listener played it all a while ago
+    emit(outbox, stream, tenth_of_a_second)
+    emit(outbox, stream, np.zeros(0, dtype=np.float32))  # nothing sent, nothing counted
+    assert outbox.take_ran_dry() == 1
+    assert outbox.take_ran_dry() == 0  # taken once
