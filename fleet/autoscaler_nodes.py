@@ -37,25 +37,28 @@ from typing import Any
 
 import httpx
 
+from bench.autoscale.load import arrivals_s, target_streams
+from bench.served.arrivals import READ_TEXT, replay_schedule
+from bench.served.served_logs import percentile
 from fleet.autoscaling_cluster import (
     GPU_WORKER_TYPE,
     HEAD_NODE_ID,
-    SYNTHESIZER,
     PROVIDER,
     AutoscalingLocalCluster,
     autoscaler_view,
+    node_launches,
+    worker_nodes,
+)
+from fleet.cluster_demo import deploy_config, replica_states, wait_until
+from fleet.scenario import (
+    SYNTHESIZER,
     connect_driver,
     deployment_config,
     fleet_app_config,
-    node_launches,
     log_to_screen,
     report_run,
     synthesizer_replica_nodes,
-    worker_nodes,
 )
-from bench.autoscale.run import arrivals_s, target_streams
-from bench.served.run import READ_TEXT, percentile, replay_schedule
-from fleet.cluster_demo import deploy_config, replica_states, wait_until
 from harness.local_ray import free_ports
 from harness.service import ROOT, haproxy_env_of_its_own
 

@@ -35,16 +35,15 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtest.audio_bytes import AudioCounter
-from loadtest.corpus import MEDIUM, SHORT
 from fleet.local_cluster import LocalCluster
 from harness.local_ray import free_ports
+from harness.service import DEPLOYMENT, replica_states
+from loadtest.audio_bytes import AudioCounter
+from loadtest.corpus import MEDIUM, SHORT
 
 logger = logging.getLogger("cluster_demo")
 
 ROOT = Path(__file__).resolve().parents[1]
-APP_NAME = "tts"
-DEPLOYMENT = "Synthesizer"
 PCM_RATE_HZ = 24000
 
 
@@ -158,17 +157,6 @@ class LoadGroup:
                             ttfb_s=round(ttfb_s, 3) if ttfb_s else None,
                             audio_s=round(audio.audio_s, 3), status=200,
                             error=None if ok else "no audio")
-
-
-def replica_states() -> dict[str, int]:
-    """The Synthesizer's replicas by state (RUNNING, STARTING, STOPPING, ...)."""
-    from ray import serve
-
-    app = serve.status().applications.get(APP_NAME)
-    if app is None or DEPLOYMENT not in app.deployments:
-        return {}
-    states = app.deployments[DEPLOYMENT].replica_states
-    return {str(getattr(state, "value", state)): count for state, count in states.items() if count}
 
 
 def replica_nodes() -> list[str]:

@@ -43,8 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleet.autoscaling_cluster import (
-    FRONT,
+from fleet.autoscaling_cluster import FRONT
+from fleet.cluster_demo import deploy_config, wait_until
+from fleet.local_cluster import LocalCluster, Node
+from fleet.scenario import (
     SYNTHESIZER,
     add_run_args,
     connect_driver,
@@ -53,12 +55,10 @@ from fleet.autoscaling_cluster import (
     log_to_screen,
     report_run,
 )
-from fleet.cluster_demo import APP_NAME, deploy_config, wait_until
-from loadtest.corpus import LONG, SHORT
-from fleet.local_cluster import LocalCluster, Node
 from harness.local_ray import free_ports
-from harness.service import haproxy_env_of_its_own
+from harness.service import APP_NAME, haproxy_env_of_its_own
 from harness.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
+from loadtest.corpus import LONG, SHORT
 
 LONG_TEXT = " ".join(LONG)  # about a minute of speech, held as long as it plays
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"

@@ -38,22 +38,19 @@ from pathlib import Path
 from typing import Any
 
 
-from fleet.autoscaling_cluster import (
+from fleet.autoscaling_cluster import AutoscalingLocalCluster, node_launches, worker_nodes
+from fleet.cluster_demo import deploy_config, replica_states, wait_until
+from fleet.scenario import (
     APP_NAME,
-    AutoscalingLocalCluster,
     add_run_args,
     connect_driver,
-    node_launches,
     log_to_screen,
     report_run,
     stream_replicas,
     synthesizer_replica_nodes,
     two_replica_config,
     wait_for_two_replicas,
-    worker_nodes,
 )
-from fleet.cluster_demo import deploy_config, replica_states, wait_until
-from loadtest.corpus import LONG, SHORT
 from harness.local_ray import free_ports
 from harness.service import haproxy_env_of_its_own
 from harness.stream_clients import (
@@ -65,6 +62,7 @@ from harness.stream_clients import (
     monotonic_clock,
     one_stream,
 )
+from loadtest.corpus import LONG, SHORT
 
 
 LONG_TEXT = " ".join(LONG)  # ~1000 characters: about a minute of speech, tens of seconds to make

@@ -43,9 +43,11 @@ from typing import Any
 import httpx
 import yaml
 
-from fleet.autoscaling_cluster import (
+from fleet.autoscaling_cluster import AutoscalingLocalCluster
+from fleet.cluster_demo import replica_states, wait_until
+from fleet.local_cluster import RAY
+from fleet.scenario import (
     SYNTHESIZER,
-    AutoscalingLocalCluster,
     add_run_args,
     connect_driver,
     deployment_config,
@@ -56,12 +58,10 @@ from fleet.autoscaling_cluster import (
     two_replica_config,
     wait_for_two_replicas,
 )
-from fleet.cluster_demo import replica_states, wait_until
-from loadtest.corpus import LONG, MEDIUM, SHORT
-from fleet.local_cluster import RAY
 from harness.local_ray import free_ports
 from harness.service import haproxy_env_of_its_own
 from harness.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
+from loadtest.corpus import LONG, MEDIUM, SHORT
 
 
 # About three minutes of speech, held as long as it plays (fleet_app_config paces Piper): the

@@ -2,7 +2,8 @@
 
 :func:`start_service` runs ``serve run --address local`` in a process group of its own and waits
 for ``/readyz``; :func:`stop_service` ends it as Ctrl-C would; :func:`replicas` finds an app's
-replica processes (for their memory and CPU).
+replica processes (for their memory and CPU); :func:`replica_states` counts the Synthesizer's
+replicas by state, as Serve reports them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVICE_MARKER = "LOCAL_SERVICE_ID"  # in the environment of every process a service started
 # Ray's "View the dashboard at http://127.0.0.1:8265" line in the service's log.
 DASHBOARD_URL = re.compile(r"View the dashboard at\s*\S*?(http://[0-9.]+:[0-9]+)")
+APP_NAME = "tts"  # the app's name in the configs the measuring runs serve
+DEPLOYMENT = "Synthesizer"
 
 
 def haproxy_env_of_its_own() -> dict[str, str]:
@@ -177,3 +180,14 @@ def replicas(app: str) -> list[tuple[str, int, float]]:
             name = cmdline.split(marker, 1)[1].split()[0].split(".")[0]
             found.append((name, process.info["pid"], process.info["memory_info"].rss / 2**20))
     return found
+
+
+def replica_states() -> dict[str, int]:
+    """The Synthesizer's replicas by state (RUNNING, STARTING, STOPPING, ...)."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None or DEPLOYMENT not in app.deployments:
+        return {}
+    states = app.deployments[DEPLOYMENT].replica_states
+    return {str(getattr(state, "value", state)): count for state, count in states.items() if count}

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.engine.run import git_commit
 from bench.accuracy.kv_cache import kl, load, summary
+from bench.engine.report import git_commit
 from serve_app.engines.minicpmo.device.graphs import shortest_span
 from serve_app.engines.minicpmo.device.llm_step import (
     LLMStepInputs,

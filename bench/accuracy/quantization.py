@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.engine import run as bench_engine
+from bench.engine.compare_quantization import free_gpu, prompt_logits
+from bench.engine.measure import build_engine, run_level
+from bench.engine.report import git_commit
 from serve_app.engines.minicpmo.model.quantization import (
     INT4_GROUP_SIZE,
     Int4Weight,
@@ -99,7 +101,7 @@ def layer_outputs(model, prompt: torch.Tensor) -> tuple[list[torch.Tensor], torc
     hooks = [layer.register_forward_hook(lambda _m, _i, output: captured.append(output.float()))
              for layer in model.llm.model.layers]
     try:
-        hidden, logits = bench_engine.prompt_logits(model, prompt)
+        hidden, logits = prompt_logits(model, prompt)
     finally:
         for hook in hooks:
             hook.remove()
@@ -119,16 +121,16 @@ def poisson_rows(model, args, label: str) -> list[dict]:
     engine_args = argparse.Namespace(**{**vars(args), "no_graphs": False, "dtype": "bfloat16",
                                         "arrivals": ["poisson"], "max_chat_slots": 256,
                                         "tts_positions": 1024, "llm_positions": 512})
-    engine = bench_engine.build_engine(model, engine_args, max(args.poisson_concurrency))
+    engine = build_engine(model, engine_args, max(args.poisson_concurrency))
     for mode in ("read", "chat"):
-        asyncio.run(bench_engine.run_level(engine, mode, 1, "burst", engine_args))  # warm-up
+        asyncio.run(run_level(engine, mode, 1, "burst", engine_args))  # warm-up
         for concurrency in args.poisson_concurrency:
-            row = asyncio.run(bench_engine.run_level(engine, mode, concurrency, "poisson", engine_args))
+            row = asyncio.run(run_level(engine, mode, concurrency, "poisson", engine_args))
             row["variant"] = label
             rows.append(row)
     engine.close()
     del engine
-    bench_engine.free_gpu()
+    free_gpu()
     return rows
 
 
@@ -145,7 +147,7 @@ def analyse(args, init: str, with_poisson: bool) -> dict:
     result["linears"] = linear_checks(model, args.quantization, args.device)
     reference_layers, reference_hidden, reference_logits = layer_outputs(model, prompt)
     quantize_llm(model.llm, args.quantization)
-    bench_engine.free_gpu()
+    free_gpu()
     layers, hidden, logits = layer_outputs(model, prompt)
     result["layer_output_relative_l2"] = [relative(a, b) for a, b in zip(layers, reference_layers)]
     result["final_hidden_relative_l2"] = relative(hidden, reference_hidden)
@@ -156,7 +158,7 @@ def analyse(args, init: str, with_poisson: bool) -> dict:
     if with_poisson and args.poisson_concurrency:
         result["poisson"] += poisson_rows(model, args, args.quantization)
     del model
-    bench_engine.free_gpu()
+    free_gpu()
     return result
 
 
@@ -175,8 +177,8 @@ def main() -> None:
 
     started = time.perf_counter()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "git_commit": bench_engine.git_commit(), "torch": torch.__version__,
+    result = {"gpu": gpu, "command": " ".join(["python -m bench.accuracy.quantization"] + sys.argv[1:]),
+              "git_commit": git_commit(), "torch": torch.__version__,
               "torchao": version("torchao"), "gemlite": version("gemlite"),
               "quantization": args.quantization,
               "prompt_tokens": args.prompt_tokens}

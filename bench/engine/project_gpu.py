@@ -1,6 +1,6 @@
 """Project a measured engine run onto another GPU, on paper (a projection, not a measurement).
 
-Takes a ``bench_engine.py --profile-phases`` JSON (each level's work per step and phase
+Takes a ``python -m bench.engine.run --profile-phases`` JSON (each level's work per step and phase
 times) and, per level, carries the step to ``--target`` (see ``bench/engine/roofline.py``,
 :func:`project`): each device phase keeps the efficiency it reached on the measured GPU, host
 work stays as it was. ``--int4-llm`` swaps the LLM's decoder weights for int4 (what the A10G
@@ -67,7 +67,7 @@ def solve_streams(points: list[tuple[int, float]], limit_ms: float) -> float | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="bench_engine.py --profile-phases JSON")
+    parser.add_argument("results", type=Path, help="bench.engine.run --profile-phases JSON")
     parser.add_argument("--target", choices=sorted(GPUS), default="a10g")
     parser.add_argument("--int4-llm", action="store_true", help="the target runs the int4 LLM")
     parser.add_argument("--tts-tokenizer", type=Path, default=ROOT / "tests" / "golden" / "chattts_tokenizer")
@@ -114,7 +114,7 @@ def main() -> None:
                       f"({target.bandwidth / 1e9:.0f} GB/s, {target.bf16_flops / 1e12:.0f} TFLOP/s "
                       f"bf16){' with the int4 LLM' if args.int4_llm else ''}; not measured",
               "source": str(args.results), "source_git_commit": measured.get("git_commit"),
-              "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "command": " ".join(["python -m bench.engine.project_gpu"] + sys.argv[1:]),
               "window_budget_ms": round(WINDOW_BUDGET_MS, 1), "ttfb_p99_limit_ms": TTFB_P99_LIMIT_MS,
               "model_sizes": sizes.as_dict(), "target_model_sizes": target_sizes.as_dict(),
               "headline": headline, "levels": levels}

@@ -191,7 +191,7 @@ def main() -> None:
     rows = torch.arange(max(args.batches), device=device)
     gpu = torch.cuda.get_device_name()
     peak = 3.35e12 if "H100" in gpu else 4.8e12
-    result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    result = {"gpu": gpu, "command": " ".join(["python -m bench.kernels.audio_step"] + sys.argv[1:]),
               "steps_per_window": args.steps, "cache_positions": args.positions,
               "row_position": args.position, "spread_positions": args.spread_positions,
               "position_from": args.position_from, "text_len": args.text_len,

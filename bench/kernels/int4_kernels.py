@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.engine.run import git_commit
+from bench.engine.report import git_commit
 from serve_app.engines.minicpmo.model.gptq import (
     GPTQConfig,
     dequantize_gptq_linear,
@@ -243,13 +243,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_int4_kernels needs a CUDA GPU")
+        sys.exit("bench.kernels.int4_kernels needs a CUDA GPU")
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name()
     from importlib.metadata import version
 
     started = time.perf_counter()
-    result = {"gpu": gpu, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    result = {"gpu": gpu, "command": " ".join(["python -m bench.kernels.int4_kernels"] + sys.argv[1:]),
               "git_commit": git_commit(), "torch": torch.__version__,
               "libraries": {name: version(name) for name in ("gemlite", "torchao", "triton")},
               "method": "us: one call, from a CUDA graph of --calls calls, median of --trials "

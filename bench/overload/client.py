@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.served.run import CHAT_TEXT, NATIVE_ROUTE, READ_TEXT
 from bench.overload.levels import StreamFate
+from bench.served.arrivals import CHAT_TEXT, NATIVE_ROUTE, READ_TEXT
 from harness.stream_clients import PCM_BYTES_PER_S
 
 SOCKET_ROUTE = "/v1/audio/speech/stream"

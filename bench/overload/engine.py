@@ -30,10 +30,10 @@ from typing import Any
 
 import yaml
 
-from bench.overload.run import acceptance
-from bench.served.run import git_commit, gpu_name
 from bench.overload.levels import LEVELS_X, MIXES, StreamFate, level_schedules, percentile, summarize
-from bench.served.run import CHAT_TEXT, READ_TEXT
+from bench.overload.run import acceptance
+from bench.served.arrivals import CHAT_TEXT, READ_TEXT
+from bench.served.report import git_commit, gpu_name
 from harness.service import ROOT
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.minicpmo.engine import MiniCPMOEngine

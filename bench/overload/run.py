@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.served.run import bench_config, git_commit, gpu_name
-from bench.served.run import parse_args as serve_args
-from bench.overload.levels import LEVELS_X, MIXES, arrivals, level_schedules, summarize
 from bench.overload.client import offer
+from bench.overload.levels import LEVELS_X, MIXES, arrivals, level_schedules, summarize
+from bench.served.config import bench_config
+from bench.served.config import parse_args as serve_args
+from bench.served.report import git_commit, gpu_name
 from harness.service import ROOT, start_service, stop_service
 
 # Per mix, the bars the acceptance names (at 2x and 3x, against the same rule's 1x).
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log", type=Path, default=Path("/tmp/bench-overload.log"))
     parser.add_argument("--engine-results", type=Path, default=None,
-                        help="scripts/bench_engine_overload's JSON from this machine: the engine "
+                        help="bench.overload.engine's JSON from this machine: the engine "
                              "alone, written beside the served levels")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="join these runs' JSONs (one per admission rule, from calls on the "

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.served.run import engine_part
+from bench.served.report import engine_part
 
 COUNT_WORDS = {1: "one_replica", 2: "two_replicas", 3: "three_replicas", 4: "four_replicas"}
 # An Ingress replica reserves one CPU (serve_config.yaml); sized to run at this share of it, as

@@ -37,7 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.served import run as bench_serve
+from bench.served.arrivals import stream_request
+from bench.served.config import bench_config
+from bench.served.config import parse_args as served_args
+from bench.served.measure import register_voices, run_level, warm_up
+from bench.served.report import REALTIME_SHARE, git_commit, gpu_name
+from bench.served.report import headline as served_headline
 from harness.service import ROOT, start_service, stop_service
 
 NOISE_RULE = ("noise = max - min of the off runs (run before the first on run and after each, "
@@ -54,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Path 
     own.add_argument("--rounds", type=int, default=1)
     mine, rest = own.parse_known_args(argv)
     # Defaults first (the caller's own come after and win), then what every arm must be.
-    args = bench_serve.parse_args(
+    args = served_args(
         ["--arrivals", "poisson", *rest, "--modes", "read", "--sse", "--refine-step", "0",
          "--stop-after-ttfb-ms", "inf"], prog="scripts/bench_timestamps",
         description=__doc__.split("\n\n")[0] + " Options: scripts/bench_serve's, --out and "
@@ -91,24 +96,24 @@ def run_arms(base_url: str, args: argparse.Namespace, voices: list[str] | None
     work = Path(tempfile.mkdtemp(prefix="bench-timestamps-"))
     arms: list[dict[str, Any]] = []
     for name, words in arm_order(args.rounds):
-        route, body, label = bench_serve.stream_request("read", arm_args(args, words))
+        route, body, label = stream_request("read", arm_args(args, words))
         arms.append({"arm": name, "run": sum(arm["arm"] == name for arm in arms) + 1,
                      "word_timestamps": words, "route": route, "label": label,
                      "body": {key: value for key, value in body.items() if key != "input"},
                      "levels": []})
     for words in (False, True):  # one unrecorded request as each arm makes them
-        bench_serve.warm_up(base_url, "read", arm_args(args, words))
+        warm_up(base_url, "read", arm_args(args, words))
     for level in sorted(set(args.read_levels)):
         for arrival in ["single"] if level == 1 else args.arrivals:
             for arm in arms:
                 print(f"level {level} {arrival}: {arm['arm']} {arm['run']} ({arm['label']})",
                       flush=True)
                 load = os.getloadavg()[0]
-                row = bench_serve.run_level(base_url, "read", level, arrival,
-                                            arm_args(args, arm["word_timestamps"]), work, voices)
+                row = run_level(base_url, "read", level, arrival,
+                                arm_args(args, arm["word_timestamps"]), work, voices)
                 arm["levels"].append({**level_row(row), "load_average_1m_before": round(load, 2)})
     for arm in arms:
-        headline = bench_serve.headline(arm["levels"])
+        headline = served_headline(arm["levels"])
         arm["single_stream"] = headline["single_stream"].get("read", {"ttfb_ms_p50": None})
         arm["max_realtime_streams"] = headline["max_realtime_streams"].get("read", 0)
     return arms
@@ -174,20 +179,20 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
-    return {"gpu": bench_serve.gpu_name(), "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
+    return {"gpu": gpu_name(), "cpu_model": cpu_model, "cpu_count": os.cpu_count(),
             "arch": platform.machine()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args, out = parse_args(argv)
     base_url = f"http://127.0.0.1:{args.port}"
-    config = bench_serve.bench_config(args)
+    config = bench_config(args)
     service = None if args.reuse else start_service(config, base_url, args.log,
                                                     ready_timeout_s=900)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     registration = None
     try:
-        registration = (bench_serve.register_voices(base_url, args.voices) if args.voices
+        registration = (register_voices(base_url, args.voices) if args.voices
                         else None)
         arms = run_arms(base_url, args, registration["ids"] if registration else None)
     finally:
@@ -198,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "what": "word timestamps on and off, served: read streams as server-sent events "
                 "(POST /v1/audio/speech, pcm), arms "
                 f"{', '.join(name for name, _ in arm_order(args.rounds))} on one service",
-        "git_commit": bench_serve.git_commit(),
+        "git_commit": git_commit(),
         "command": " ".join(["scripts/bench_timestamps", *sys.argv[1:]]),
         "measured_at": started, "device": device, "config": config,
-        "rule": f"a level is real-time when >= {bench_serve.REALTIME_SHARE:.0%} of its streams "
+        "rule": f"a level is real-time when >= {REALTIME_SHARE:.0%} of its streams "
                 f"never ran dry and p99 TTFB <= {args.ttfb_p99_limit_ms:g} ms; TTFB is "
                 "the time to the first event with audio",
         "audio_seconds_per_request": args.audio_seconds, "voices": registration,

@@ -7,20 +7,10 @@ import time
 
 import pytest
 
-from bench.autoscale.run import (
-    POLICY,
-    arrivals_s,
-    autoscale_config,
-    engine_gauges,
-    load_seconds,
-    load_stages,
-    parse_args,
-    peak_span_s,
-    scale_decisions,
-    step_ms_by_replica,
-    summarize,
-    target_streams,
-)
+from bench.autoscale.load import arrivals_s, load_seconds, load_stages, peak_span_s, target_streams
+from bench.autoscale.readings import engine_gauges, step_ms_by_replica
+from bench.autoscale.report import scale_decisions, summarize
+from bench.autoscale.run import POLICY, autoscale_config, parse_args
 
 
 def test_config_runs_the_shipped_policy_on_fractional_gpus() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from bench.served.run import STREAM_HEADROOM, bench_config, parse_args
+from bench.served.config import STREAM_HEADROOM, bench_config, parse_args
 from harness.service import ROOT
 
 
@@ -67,7 +67,7 @@ def test_ingress_replicas_fit_the_machines_cpus() -> None:
 
 
 def test_the_cpu_profile_runs_as_shipped_with_its_engines_own_options() -> None:
-    """serve_config.cpu.yaml (Piper): the benchmark setting and bench_engine.py's options are
+    """serve_config.cpu.yaml (Piper): the benchmark setting and the engine benchmark's options are
     MiniCPM-o's and stay out, so its engine options are the profile's and ``serve run``'s own
     check (AppArgs) takes them; the Synthesizer is one replica, as on a GPU."""
     from serve_app.config import AppArgs
@@ -87,7 +87,7 @@ def test_the_result_names_the_replicas_event_loop() -> None:
     install it, so the test environment has it) or on asyncio's own loop."""
     import uvloop
 
-    from bench.served.run import event_loop
+    from bench.served.report import event_loop
 
     assert event_loop({}) == f"uvloop {uvloop.__version__}"
     assert event_loop({"RAY_USE_UVLOOP": "0"}) == "asyncio"

@@ -11,7 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.served.run import READ_TEXT, parse_args, run_level, stream_request
+from bench.served.arrivals import READ_TEXT, stream_request
+from bench.served.config import parse_args
+from bench.served.measure import run_level
 from loadtest.report import load_records
 from loadtest.sse_audio import SseAudio
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overload.run import acceptance
 from bench.overload.levels import StreamFate, arrivals, summarize
+from bench.overload.run import acceptance
 
 
 def test_a_level_offers_its_mix_at_the_rate_that_holds_its_capacity():

@@ -1,7 +1,7 @@
-"""How bench/engine/run.py counts real-time streams: a level counts only when every arrival
+"""How the engine benchmark (bench/engine/report.py) counts real-time streams: a level counts only when every arrival
 measured at it was real-time (a burst that passes does not make up for a Poisson run that fails)."""
 
-from bench.engine.run import SAMPLE_RATE, longest_stall_s, realtime_streams, stream_is_realtime
+from bench.engine.report import SAMPLE_RATE, longest_stall_s, realtime_streams, stream_is_realtime
 
 
 def _row(concurrency: int, arrival: str, ok: bool) -> dict:
@@ -33,7 +33,7 @@ def test_a_stream_stalls_when_a_chunk_comes_after_the_audio_it_holds_has_played(
 
 
 def test_merging_runs_of_one_mode_keeps_the_measured_single_stream_and_the_highest_count():
-    from bench.engine.run import merge_results
+    from bench.engine.report import merge_results
 
     def run(levels, held, single):
         return {"gpu": "H100", "git_commit": "abc", "command": "c", "peak_gpu_memory_gb": 1.0,
@@ -48,10 +48,10 @@ def test_merging_runs_of_one_mode_keeps_the_measured_single_stream_and_the_highe
 
 
 def test_step_phases_are_summarised_per_phase_over_the_steps():
-    """bench_engine's per-phase step times (from the engine's step log): a phase absent from a
+    """The engine benchmark's per-phase step times (from the engine's step log): a phase absent from a
     step counts as 0 ms there, so its mean is over every step."""
     from serve_app.engines.minicpmo.step_loop import StepRecord
-    from bench.engine.run import slow_step, step_phase_percentiles
+    from bench.engine.report import slow_step, step_phase_percentiles
 
     records = [StepRecord(0.0, 0.010, 4, (), 0.0, (("tts_step", 0.008), ("decode_emit", 0.002))),
                StepRecord(0.1, 0.030, 4, (0.05,), 0.001, (("tts_step", 0.010), ("admit_prefill", 0.020)),
@@ -67,7 +67,7 @@ def test_step_phases_are_summarised_per_phase_over_the_steps():
 
 
 def test_refinement_steps_up_from_the_best_level_to_the_first_failure():
-    from bench.served.run import refinement
+    from bench.served.measure import refinement
 
     def row(level, ok, mode="read", arrival="poisson"):
         return {"mode": mode, "arrival": arrival, "concurrency": level, "ok": ok}

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from soak.run import is_refusal
 from soak.memory import MemorySampler, slope_per_min
+from soak.run import is_refusal
 
 # A process whose title carries a replica's marker (as Serve's replicas' do) and whose memory
 # grows by 8 MiB each time it reads a line.
