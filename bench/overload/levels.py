@@ -57,6 +57,7 @@ class StreamFate:
     first_audio_s: float | None = None
     audio_s: float = 0.0
     ran_dry: bool = False
+    dry_at_s: float | None = None  # when it first ran dry, seconds after its first audio
     whole: bool = False  # ended as a stream should (final chunk / complete body)
     error: str | None = None
 
@@ -67,6 +68,8 @@ class StreamFate:
         if self.first_audio_s is None:
             self.first_audio_s = now_s
         elif now_s - self.first_audio_s > self.audio_s + DRY_SLACK_S:
+            if not self.ran_dry:
+                self.dry_at_s = now_s - self.first_audio_s
             self.ran_dry = True
         self.audio_s += seconds
 
@@ -131,6 +134,11 @@ def summarize(fates: list[StreamFate], mix: str, offered_x: float, window_s: flo
         "refusal_statuses": statuses,
         "refusals_with_retry_after": sum(f.retry_after for f in refused),
         "cut_after_first_byte": sum(f.cut for f in admitted),
+        # when the late ones first ran dry (after their first audio) and arrived: at a ramp's
+        # start or as the held streams grew old
+        "late_dry_after_first_audio_s": [round(f.dry_at_s, 2) for f in admitted
+                                         if f.dry_at_s is not None][:50],
+        "late_arrived_at_s": [round(f.at_s, 2) for f in admitted if f.ran_dry][:50],
         "by_kind": by_kind,
         "errors": sorted({f.error for f in fates if f.error})[:5],
     }

@@ -34,8 +34,11 @@ than that time's admissions refuses at once.
 still let a listener's audio run out (a stream *ran dry*: its next audio came after it had
 played all it had). With ``behind_hold_s`` set, a step where any stream ran dry stops
 admission for that long: new streams are refused (reason ``behind``) and queued ones wait
-for a slot, so the engine catches up on what it holds instead of taking more. The model's
-projection alone cannot see what the engine's listeners see.
+for a slot, so the engine catches up on what it holds instead of taking more. And a step whose
+listeners ran thin faster than it could cut their audio (``audio_cuts: on_demand``) starts no
+queued stream at the next: a ramp of new streams, each thin after its first chunk, paces
+itself to what the engine can keep fed. The model's projection alone cannot see what the
+engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
 timeouts allow): the A/B of the overload benchmark.
@@ -179,6 +182,7 @@ class WorkAdmission:
         self.measured_load = 0.0  # recent steps' load as measured (EWMA), the model aside
         self.behind_hold_s = behind_hold_s
         self._behind_until = 0.0  # time.monotonic() until which admission holds (Behind)
+        self._thin = False  # the last step left thin listeners uncut (Behind)
         self.counters = AdmissionCounters()
 
     @property
@@ -246,16 +250,18 @@ class WorkAdmission:
             return min(self._wait_allowance_s(False), self._wait_allowance_s(True))
 
     def holding(self) -> bool:
-        """Whether admission holds because a stream ran dry lately (Behind): queued streams
-        wait for their slots meanwhile."""
+        """Whether queued streams wait for their slots (Behind): a stream ran dry lately, or
+        the last step left thin listeners uncut."""
         with self._lock:
-            return self._behind()
+            return self._behind() or self._thin
 
     def observe_step(self, counts: np.ndarray, load: float, step_s: float,
-                     ran_dry: int = 0) -> None:
+                     ran_dry: int = 0, uncut_thin: int = 0) -> None:
         """One step ran with ``counts`` streams open by kind and measured ``load``; ``ran_dry``
-        of its chunks came after their listener had played all it had."""
+        of its chunks came after their listener had played all it had, and ``uncut_thin``
+        thin listeners were left for a later step."""
         with self._lock:
+            self._thin = self.by_work and uncut_thin > 0
             if ran_dry and self.by_work and self.behind_hold_s:
                 self._behind_until = time.monotonic() + self.behind_hold_s
             self._step_s = step_s if not self._step_s else 0.9 * self._step_s + 0.1 * step_s

@@ -177,11 +177,22 @@ def test_a_stream_running_dry_holds_admission_until_the_engine_catches_up():
     admission.take([READ])
 
 
+def test_a_step_that_left_thin_listeners_uncut_pauses_the_queue_for_one_step():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16)
+    counts = np.array([40.0, 0.0, 0.0, 0.0])
+    admission.observe_step(counts, 0.3, 0.05, uncut_thin=5)
+    assert admission.holding()  # queued streams wait ...
+    admission.take([READ])  # ... but a new one is still taken (no stream ran dry)
+    admission.observe_step(counts, 0.3, 0.05)
+    assert not admission.holding()
+
+
 def test_without_a_hold_or_admitting_by_slots_a_dry_stream_changes_nothing():
     for admission in (WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16),
                       WorkAdmission("slots", 0.5, 0.5, max_slots=64, max_chat_slots=16,
                                     behind_hold_s=5.0)):
-        admission.observe_step(np.array([4.0, 0.0, 0.0, 0.0]), 0.1, 0.05, ran_dry=3)
+        admission.observe_step(np.array([4.0, 0.0, 0.0, 0.0]), 0.1, 0.05, ran_dry=3,
+                               uncut_thin=0 if admission.by_work else 3)
         assert not admission.holding()
         admission.take([READ])
 

@@ -154,8 +154,9 @@ class StepLoop:
             ran_dry = self.endings.outbox.take_ran_dry()
             self.scheduler.count(ran_dry=ran_dry)
             # the step's load against what ran in it (the streams open when it began)
+            cuts = self.admission.audio_cuts
             self.scheduler.work.observe_step(open_by_kind, step_s / self.step_budget_s, step_s,
-                                             ran_dry)
+                                             ran_dry, cuts.uncut_thin if cuts.on_demand else 0)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""

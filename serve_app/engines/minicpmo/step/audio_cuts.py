@@ -59,6 +59,9 @@ class OnDemandCuts:
         self.lengths = options.first_chunk_lengths
         self.follows_load = options.first_chunk_follows_load and bool(self.lengths)
         self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        # thin streams the last step could not cut (over CUTS_PER_STEP): admission by work
+        # starts no new stream while there are any (WorkAdmission, "Behind")
+        self.uncut_thin = 0
 
     def observe(self, step_s: float) -> None:
         """A step took ``step_s`` seconds."""
@@ -90,4 +93,5 @@ class OnDemandCuts:
         due = now + self.slow_step_s + STEP_ENDS_S + GUARD_S
         thin = [(s.played_out_at, index, s) for index, s in enumerate(streams)
                 if s.played_out_at is not None and s.played_out_at < due]
+        self.uncut_thin = max(0, len(thin) - CUTS_PER_STEP)
         return [s for _, _, s in sorted(thin)[:CUTS_PER_STEP]]
