@@ -171,6 +171,13 @@ def machine() -> dict[str, Any]:
             "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
+def timeline_dump(result: dict[str, Any]) -> str:
+    """JSON with one line per timeline sample, so the file reads as a table."""
+    head = {k: v for k, v in result.items() if k != "timeline"}
+    rows = ",\n".join(f"  {json.dumps(sample)}" for sample in result.get("timeline", []))
+    return json.dumps(head, indent=1)[:-2] + f',\n "timeline": [\n{rows}\n ]\n}}\n'
+
+
 def report_run(script: str, what: str, cluster: AutoscalingLocalCluster,
                run: Callable[[], dict[str, Any]], passed: Callable[[dict[str, Any]], bool],
                out: Path, logs: Path | None, headline: Sequence[str],

@@ -60,6 +60,7 @@ class StreamFate:
     dry_at_s: float | None = None  # when it first ran dry, seconds after its first audio
     whole: bool = False  # ended as a stream should (final chunk / complete body)
     error: str | None = None
+    request_id: str | None = None  # what it sent as x-request-id (served: its replica's log)
 
     def audio(self, now_s: float, seconds: float) -> None:
         """``seconds`` of audio arrived ``now_s`` after the arrival."""
