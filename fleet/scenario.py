@@ -72,16 +72,22 @@ def deployment_config(config: dict[str, Any], name: str) -> dict[str, Any]:
     return next(d for d in app["deployments"] if d["name"] == name)
 
 
-def synthesizer_replica_nodes() -> dict[str, str]:
-    """Replica id -> node id of every live Synthesizer replica (the GCS actor table)."""
+def synthesizer_actors() -> dict[str, dict[str, Any]]:
+    """Replica id -> the GCS actor table's entry of every live Synthesizer replica."""
     import ray
 
     found = {}
     for actor in ray._private.state.actors().values():
         name = actor.get("Name") or ""
         if actor.get("State") == "ALIVE" and f"#{SYNTHESIZER}#" in name:
-            found[name.rsplit("#", 1)[1]] = actor["Address"]["NodeID"]
+            found[name.rsplit("#", 1)[1]] = actor
     return found
+
+
+def synthesizer_replica_nodes() -> dict[str, str]:
+    """Replica id -> node id of every live Synthesizer replica (the GCS actor table)."""
+    return {replica: actor["Address"]["NodeID"]
+            for replica, actor in synthesizer_actors().items()}
 
 
 # Serve's line for each call a replica starts (at DEBUG: the Synthesizer's logging_config),
@@ -97,15 +103,17 @@ def trace_synthesizer_calls(config: dict[str, Any]) -> None:
     deployment_config(config, SYNTHESIZER)["logging_config"] = {"log_level": "DEBUG"}
 
 
-def stream_replicas(logs_dir: Path) -> dict[str, str]:
+def stream_replicas(logs_dir: Path, patterns: tuple[re.Pattern, ...] = (CALL_STARTED, FIRST_AUDIO)
+                    ) -> dict[str, str]:
     """Request id -> Synthesizer replica id, from each replica's log: Serve's line for a
     ``synthesize`` call it started (:func:`trace_synthesizer_calls`) or, at the stream's end,
-    ours for its first audio (``synthesizer._log_first_chunk``)."""
+    ours for its first audio (``synthesizer._log_first_chunk``; ``patterns`` (FIRST_AUDIO,):
+    only the streams a replica served audio for)."""
     found = {}
     for path in (logs_dir / "serve").glob(f"replica_{APP_NAME}_{SYNTHESIZER}_*.log"):
         replica = path.stem.rsplit("_", 1)[1]
         text = path.read_text(errors="replace")
-        for pattern in (CALL_STARTED, FIRST_AUDIO):
+        for pattern in patterns:
             for match in pattern.finditer(text):
                 found[match[1]] = replica
     return found
