@@ -52,6 +52,7 @@ from fleet.autoscaling_cluster import (
 from fleet.cluster_demo import deploy_config, replica_states, wait_until
 from fleet.scenario import (
     SYNTHESIZER,
+    add_output_args,
     connect_driver,
     deployment_config,
     fleet_app_config,
@@ -61,7 +62,7 @@ from fleet.scenario import (
     timeline_dump,
 )
 from harness.local_ray import free_ports
-from harness.service import ROOT, haproxy_env_of_its_own
+from harness.service import haproxy_env_of_its_own
 
 logger = logging.getLogger("autoscaler_nodes")
 
@@ -86,10 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--settle-timeout-s", type=float, default=120.0,
                         help="after the load, wait this long at most for the node's removal")
     parser.add_argument("--sample-s", type=float, default=2.0)
-    parser.add_argument("--logs", type=Path, default=None,
-                        help="copy the cluster's logs here at the end")
-    parser.add_argument("--out", type=Path,
-                        default=ROOT / "docs" / "benchmarks" / "autoscaler-nodes.json")
+    add_output_args(parser, "autoscaler-nodes.json")
     return parser.parse_args(argv)
 
 

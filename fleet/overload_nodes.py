@@ -52,8 +52,8 @@ from fleet.cluster_demo import deploy_config, wait_until
 from fleet.overload_figures import BURST, FILL, FOLLOW, summarize
 from fleet.scenario import (
     FIRST_AUDIO,
-    ROOT,
     SYNTHESIZER,
+    add_output_args,
     connect_driver,
     deployment_config,
     fleet_app_config,
@@ -111,10 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--give-up-s", type=float, default=300.0,
                         help="the load's streams have all ended this long after it stopped")
     parser.add_argument("--sample-s", type=float, default=1.0)
-    parser.add_argument("--logs", type=Path, default=None,
-                        help="copy the cluster's logs here at the end")
-    parser.add_argument("--out", type=Path,
-                        default=ROOT / "docs" / "benchmarks" / "overload-nodes.json")
+    add_output_args(parser, "overload-nodes.json")
     return parser.parse_args(argv)
 
 

@@ -162,6 +162,12 @@ def add_run_args(parser: Any, out_name: str, streams_per_kind: int, give_up_s: f
                         help=streams_help)
     parser.add_argument("--give-up-s", type=float, default=give_up_s,
                         help="a stream still open this long after it started has hung")
+    add_output_args(parser, out_name)
+
+
+def add_output_args(parser: Any, out_name: str) -> None:
+    """Where a run copies the cluster's logs (``--logs``) and writes its JSON (``--out``,
+    ``docs/benchmarks/<out_name>`` unless told)."""
     parser.add_argument("--logs", type=Path, default=None,
                         help="copy the cluster's logs here at the end")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / out_name)
