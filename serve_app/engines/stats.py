@@ -42,6 +42,7 @@ class EngineStats:
     refused_wait: int = 0
     refused_queue: int = 0
     refused_behind: int = 0
+    refused_slots: int = 0
     ran_dry_chunks: int = 0  # chunks that came after their listener had played all it had
     refused_load: float = 0.0
 

@@ -30,6 +30,7 @@ from serve_app import errors
 from serve_app.config import DEFAULT_VOICE_STORE, BatchingConfig
 from serve_app.engines.base import (
     AudioChunk,
+    EngineOverloadedError,
     InvalidRequestError,
     SpeechRequest,
     refuse_unsupported,
@@ -140,6 +141,9 @@ class Synthesizer:
         except EngineDeadError as exc:
             finished = True
             yield errors.synthesis_unavailable(request_id, exc)
+        except EngineOverloadedError as exc:  # refused while queued, before any audio: a 503
+            finished = True
+            yield errors.overloaded(exc.reason)
         except Exception as exc:  # one failing stream never ends the others
             finished = True
             self._engine.abort(request_id)
