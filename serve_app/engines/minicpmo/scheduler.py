@@ -196,6 +196,8 @@ class Scheduler:
         with self.lock:
             self._stats.active_streams = len(self.active)
             self._stats.queued_streams = len(self.pending)
+            if self.work.by_work:  # a stream without a free slot is refused (enqueue)
+                self._stats.free_slots = max(len(self._free_slots) - len(self.pending), 0)
             stats = EngineStats(**self._stats.as_dict())
         return stats.with_work(self.work.snapshot())
 

@@ -63,3 +63,16 @@ def test_a_sessions_queued_stream_keeps_its_place_however_long_it_waits():
     expired = gate.expire_waiting(now=60.0)  # both waited a minute
     assert [s.request_id for s in expired] == ["plain"]
     assert [s.request_id for s in gate.admit(0)] == ["session"]
+
+
+def test_its_stats_say_how_many_slots_are_free_and_the_headroom_counts_them():
+    gate = scheduler("work", slots=3)
+    gate.enqueue([stream("a")])
+    stats = gate.stats()
+    assert stats.free_slots == 2
+    assert stats.headroom("read") == 2.0  # the budget would take far more: the slots bound it
+    gate.enqueue([stream("b")])
+    gate.enqueue([stream("c")])
+    full = gate.stats()
+    assert not full.has_room("read") and full.refusal_reason("read") == "slots"
+    assert scheduler("slots").stats().free_slots == -1  # admitting by slots it queues
