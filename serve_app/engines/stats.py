@@ -60,8 +60,9 @@ class EngineStats:
 
     def has_room(self, kind: str = "read") -> bool:
         """Whether one more stream of ``kind`` fits (always, where the engine admits by slots:
-        its queue decides)."""
-        return self.work_limit <= 0 or self.headroom(kind) >= 1
+        its queue decides; and where it holds no stream: an idle engine takes what comes)."""
+        return (self.work_limit <= 0 or self.headroom(kind) >= 1
+                or self.active_streams + self.queued_streams == 0)
 
     def headroom(self, kind: str = "read") -> float:
         """How many more streams of ``kind`` fit the real-time budget now (0 when none; a large

@@ -206,7 +206,11 @@ class WorkAdmission:
                 load = self.model.load(self._committed + added)
                 # the projection, and what the last steps measured: a fit that lags a change
                 # of pace cannot admit past what the engine is doing now
-                if load > self.limit or self.measured_load > self.limit + MEASURED_SLACK:
+                # an engine that holds nothing takes what it is offered: a model that learned
+                # a slow spell would otherwise refuse for ever, with no step to unlearn it
+                busy = bool(self._committed.any())
+                if busy and (load > self.limit
+                             or self.measured_load > self.limit + MEASURED_SLACK):
                     self._refuse("work", added)
                     raise EngineOverloadedError("the engine's real-time budget is full", "work")
                 if self._behind():
