@@ -13,8 +13,8 @@ from serve_app.config import AppArgs
 # costliest streamed one but opus: StreamEncoder spends ~33 ms of CPU per second of 24 kHz mp3
 # (2-core x86; serve_config.yaml's Ingress comment, which sizes target_ongoing_requests by it).
 # pcm costs far less: served at read 1408 on two H100s the Ingress replicas and HAProxy together
-# used 1.48 cores, 1.05 cores per 1000 pcm streams (docs/benchmarks/served-2gpu.json,
-# front_sizing). Replace with a served mp3 measurement when there is one.
+# used 1.48 cores, 1.05 cores per 1000 pcm streams
+# (docs/benchmarks/history/served-2gpu-474c873.json, front_sizing). Replace with a served mp3 measurement when there is one.
 INGRESS_STREAMS_PER_CORE = 30
 # A CPU worker pod: cores and memory (8 cores as cluster.yaml's c6i.2xlarge; Ray gets them all,
 # one Ingress replica per core, num_cpus: 1 in every profile).

@@ -219,7 +219,7 @@ def rayservice(profile: GpuProfile, release: Release) -> tuple[dict[str, Any], l
                 # in this Secret (key auth_token).
                 "authOptions": {"mode": "token", "secretName": pods.RAY_TOKEN_SECRET},
                 # The head keeps the cluster's state in Redis: a new head pod takes it over
-                # while the workers' streams go on (loadtest/head_loss.py).
+                # while the workers' streams go on (fleet/head_loss.py).
                 "gcsFaultToleranceOptions": {
                     "redisAddress": release.redis_address,
                     "redisPassword": {"valueFrom": {"secretKeyRef": {

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.local_cluster import end_marked_processes, free_ports
-from loadtest.service import answers_ready
+from harness.local_ray import end_marked_processes, free_ports
+from harness.service import answers_ready
 from serve_app.ingress_env import HAPROXY_PORT_SETTINGS, INGRESS_DRAIN_SETTING
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["docs/architecture.md", "docs/minicpmo.md", "DEVELOPERS.md"]
 # Where a path the docs write relative to a package is looked up, in order.
 BASES = ["", "serve_app", "serve_app/engines", "serve_app/engines/minicpmo"]
-SEARCHED = ["serve_app", "scripts", "loadtest", "tests", "examples"]
+SEARCHED = ["serve_app", "scripts", "bench", "fleet", "harness", "loadtest", "soak", "tests", "examples"]
 # `path/to/file.py` or `file.py`, optionally `:Symbol.attr` (or `: symbol`).
 REFERENCE = re.compile(r"`((?:[\w.-]+/)*[\w-]+\.(?:py|yaml|html))(?::\s?([A-Za-z_][\w.]*))?")
 

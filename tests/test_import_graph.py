@@ -1,24 +1,35 @@
-"""The import graph of ``serve_app``: no circles, and the engines never import Ray.
+"""The import graph of the service and the measuring code: no circles, each folder imports only
+the floors below it, and the engines never import Ray.
 
 The graph is read from the source with :mod:`ast`, not by importing: every ``import`` and
 ``from ... import`` statement, at module level or inside a function or class, resolved to the
-``serve_app`` module it loads. Imports under ``if TYPE_CHECKING:`` run only for type checkers
-and are left out. ``from package import name`` counts as an import of ``package.name`` when that
-is a module, else of ``package``; a package's ``__init__`` that Python runs on the way to a
-submodule is not counted (every submodule would otherwise import its own package).
+module it loads of the packages in :data:`FLOORS`. Imports under ``if TYPE_CHECKING:`` run only
+for type checkers and are left out. ``from package import name`` counts as an import of
+``package.name`` when that is a module, else of ``package``; a package's ``__init__`` that
+Python runs on the way to a submodule is not counted (every submodule would otherwise import its
+own package).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "serve_app"
+# Each folder by floor: a module imports modules of its own folder or of a lower floor only.
+# The service at the bottom; what every measuring run stands on (the app served locally, ports
+# and processes); Locust; the benchmarks and the soak, side by side (neither imports the
+# other); the fleet scenarios, which reuse the benchmarks' arrivals; the commands on top.
+FLOORS = {"serve_app": 0, "harness": 1, "loadtest": 2, "bench": 3, "soak": 3, "fleet": 4,
+          "scripts": 5}
 
 
-def module_names(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
-    """Every module of ``package``: dotted name -> file."""
+def module_names(root: Path = ROOT, package: str | Sequence[str] = PACKAGE) -> dict[str, Path]:
+    """Every module of ``package`` (or of each of several): dotted name -> file."""
+    if not isinstance(package, str):
+        return {name: path for one in package for name, path in module_names(root, one).items()}
     names = {}
     for path in sorted((root / package).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
@@ -81,8 +92,9 @@ def _resolve(candidates: tuple[str, ...], modules: dict[str, Path]) -> str | Non
     return ".".join(parts) or None
 
 
-def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports."""
+def import_graph(root: Path = ROOT, package: str | Sequence[str] = PACKAGE
+                 ) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` (or of several) it imports."""
     modules = module_names(root, package)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
@@ -131,9 +143,23 @@ def all_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    cycles = all_cycles(import_graph())
-    assert not cycles, "import cycles in serve_app:\n" + "\n".join(
+    cycles = all_cycles(import_graph(ROOT, list(FLOORS)))
+    assert not cycles, f"import cycles in {', '.join(FLOORS)}:\n" + "\n".join(
         " -> ".join(cycle) for cycle in cycles)
+
+
+def test_each_folder_imports_only_its_own_and_lower_floors():
+    upward = sorted(f"{module} -> {target}"
+                    for module, targets in import_graph(ROOT, list(FLOORS)).items()
+                    for target in targets
+                    if (here := module.split(".")[0]) != (there := target.split(".")[0])
+                    and FLOORS[there] >= FLOORS[here])
+    assert not upward, "imports of a folder on the same or a higher floor:\n" + "\n".join(upward)
+
+
+def test_every_python_folder_has_a_floor():
+    folders = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert folders - {"tests", "examples"} == set(FLOORS)
 
 
 def test_engines_never_import_ray():

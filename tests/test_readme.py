@@ -407,10 +407,8 @@ def current_table() -> list[dict[str, str]]:
 
 def test_benchmarks_hold_the_current_results_at_fixed_names():
     top = {path.name for path in BENCHMARKS.glob("*.json")}
-    # 28, not 15: the fleet runs of issue 44 (autoscaler nodes, node loss, upgrade), issue
-    # 60's head loss and issue 58's overload (GPU, CPU) and 30-minute soak are named at the top
-    # level by their issues, beside the GPU results.
-    assert len(top) <= 28, f"{len(top)} JSON files in docs/benchmarks/: move the older to history/"
+    # The current result of each benchmark; older runs, explorations and A/B pairs in history/.
+    assert len(top) <= 15, f"{len(top)} JSON files in docs/benchmarks/: move the older to history/"
     rows = current_table()
     assert [*rows[0]] == ["what", "command", "commit", "GPU", "file"]
     in_table = {re.match(r"`([^`]+)`", row["file"]).group(1) for row in rows}

@@ -53,7 +53,7 @@ CLOSE_TIMEOUT_S = 30.0
 # A step's outputs are megabytes (at 704 read streams on an H100, ~150 chunks of ~40 KB) and
 # cross the socket a send buffer at a time. They used to cost the reader thread one read, and
 # one wait of up to the GIL switch interval, per chunk and per buffer-full; engine_wire now
-# reads a whole message in three calls (scripts/bench_engine_wire.py). Socket buffers asked for
+# reads a whole message in three calls (bench/engine/wire.py). Socket buffers asked for
 # on both ends (Linux caps them at net.core.wmem_max / rmem_max, by default ~208 KiB): fewer
 # trips through the kernel for a step's outputs where the limits allow.
 SOCKET_BUFFER_BYTES = 8 << 20

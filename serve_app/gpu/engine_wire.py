@@ -29,7 +29,7 @@ Not one buffer for a whole step with each chunk a view of it: every layer that r
 stream idle between chunks (a voice agent's, waiting for text) would keep a whole step's audio
 alive. Not int16 on the wire: the front resamples and encodes float samples, so every format
 but 24 kHz pcm and wav would change, and the conversion costs the engine's step thread more
-than the sink's whole hand-off (``scripts/bench_engine_wire.py``).
+than the sink's whole hand-off (``bench/engine/wire.py``).
 
 Pickling happens in the thread that makes the message (:func:`encode`); writing can happen in
 another (:func:`send`), which is how the engine process keeps its step thread's hand-off cheap.

@@ -51,7 +51,7 @@ RAY_ENV.update(production_replica_env())
 def ray_env() -> dict[str, str]:
     """The environment of a cluster this session starts: :data:`RAY_ENV`, and HAProxy in front
     (as every shipped profile runs) on ports of its own."""
-    from loadtest.service import haproxy_env_of_its_own
+    from harness.service import haproxy_env_of_its_own
 
     return {**RAY_ENV, **haproxy_env_of_its_own()}
 
@@ -140,7 +140,7 @@ def serve_piper_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         ray.shutdown()
         # Ray's HAProxy outlives the cluster (re-parented, in a group of its own) and would keep
         # its ports: end what this session's cluster left behind.
-        from loadtest.local_cluster import end_marked_processes
+        from harness.local_ray import end_marked_processes
 
         end_marked_processes(CLUSTER_MARKER, env[CLUSTER_MARKER], grace_s=5.0)
 

@@ -153,7 +153,7 @@ def test_engine_signals_from_engine_stats():
 def test_every_profile_scales_its_synthesizer_with_the_policy(name: str):
     import yaml
 
-    from loadtest.service import ROOT
+    from harness.service import ROOT
 
     [app] = yaml.safe_load((ROOT / name).read_text())["applications"]
     [synthesizer] = [d for d in app["deployments"] if d["name"] == "Synthesizer"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtest.overload_client import offer
+from bench.overload.client import offer
 from tests.cpu_profile import CpuProfileService
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from loadtest.served_logs import INGRESS_LINE
+from bench.served.served_logs import INGRESS_LINE
 from serve_app.config import ApiConfig, AppArgs, BatchingConfig
 from tests.audio.decoding import decode_audio
 from tests.serving.conftest import Server, wait_ready

@@ -1,4 +1,4 @@
-"""The runner's count of device work (ModelRunner.work, read by scripts/bench_engine.py's
+"""The runner's count of device work (ModelRunner.work, read by bench/engine/run.py's
 roofline): it follows what the engine did (tiny checkpoint, CPU)."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_device_work_counts_what_the_engine_did(engine) -> None:
 
 
 def test_step_log_records_each_step_and_each_admission_wait(engine) -> None:
-    """The step log (read by scripts/bench_engine.py to say what a tail is made of): one record
+    """The step log (read by bench/engine/run.py to say what a tail is made of): one record
     per step, in order, each stream's wait for admission in the step that admitted it."""
     import time
 

@@ -95,7 +95,7 @@ def test_the_engine_speaks_through_an_fp8_tts_cache(tiny_checkpoint):
     """The real engine on the tiny checkpoint with the TTS cache in fp8 streams a whole
     utterance of valid codes through it (the cache holds e4m3 numbers and the scales it
     wrote). How far its codes drift from the float32 cache's is measured, not asserted:
-    scripts/kv_cache_numerics.py, docs/benchmarks/kv-fp8-numerics.json."""
+    bench/accuracy/kv_cache.py, docs/benchmarks/kv-fp8-numerics.json."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
                             admission="slots", max_slots=2, max_chat_slots=1, tts_max_positions=1024,
@@ -117,7 +117,7 @@ def test_the_engine_speaks_through_an_fp8_tts_cache(tiny_checkpoint):
 
 
 def test_the_drift_benchmark_runs_on_the_tiny_checkpoint(tmp_path):
-    """scripts/kv_cache_numerics.py end to end on the tiny checkpoint: both caches stepped over
+    """bench/accuracy/kv_cache.py end to end on the tiny checkpoint: both caches stepped over
     the same streams, the reference's own dtype through SDPA as its floor (on the CPU the fused
     path is SDPA too, so the floor agrees exactly), and its runs kept per weights in one file."""
     import json
@@ -127,7 +127,7 @@ def test_the_drift_benchmark_runs_on_the_tiny_checkpoint(tmp_path):
 
     out = tmp_path / "numerics.json"
     out.write_text(json.dumps({"runs": {"random": {"kept": True}}}))
-    subprocess.run([sys.executable, "-m", "scripts.kv_cache_numerics", "--weights", "tiny",
+    subprocess.run([sys.executable, "-m", "bench.accuracy.kv_cache", "--weights", "tiny",
                     "--device", "cpu", "--streams", "2", "--steps", "12", "--out", str(out)],
                    cwd=Path(__file__).resolve().parents[3], check=True, capture_output=True,
                    timeout=600)

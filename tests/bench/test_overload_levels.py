@@ -1,0 +1,65 @@
+"""The overload benchmark's counting (bench/overload/levels.py, bench/overload/run.py): the
+arrivals a level offers, each stream's fate, a level's figures and the acceptance per mix."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.overload.levels import StreamFate, arrivals, summarize
+from bench.overload.run import acceptance
+
+
+def test_a_level_offers_its_mix_at_the_rate_that_holds_its_capacity():
+    # mixed: 384 read + 96 chat streams of 10 s held, at 2x for 100 s: ~7680 + ~1920
+    schedule = arrivals("mixed", {"read": 384, "chat": 96}, 2.0, 100.0, 10.0)
+    reads = sum(kind == "read" for _, kind in schedule)
+    chats = sum(kind == "chat" for _, kind in schedule)
+    assert reads == pytest.approx(7680, rel=0.05) and chats == pytest.approx(1920, rel=0.08)
+    assert [at for at, _ in schedule] == sorted(at for at, _ in schedule)
+    assert schedule == arrivals("mixed", {"read": 384, "chat": 96}, 2.0, 100.0, 10.0)
+
+
+def stream(kind="read", *, status=200, pieces=(), whole=True, retry_after=False,
+           answered_s=0.01) -> StreamFate:
+    fate = StreamFate(kind=kind, at_s=0.0, status=status, answered_s=answered_s,
+                      retry_after=retry_after, whole=whole)
+    for now_s, seconds in pieces:
+        fate.audio(now_s, seconds)
+    return fate
+
+
+def test_each_stream_is_refused_admitted_real_time_late_or_cut():
+    on_time = stream(pieces=[(0.2, 1.0), (1.1, 1.0), (2.0, 1.0)])
+    late = stream(pieces=[(0.2, 1.0), (1.5, 1.0)])  # the second second came 0.3 s after dry
+    cut = stream(pieces=[(0.2, 1.0)], whole=False)
+    refused = stream(status=503, retry_after=True, answered_s=0.004)
+    assert (on_time.realtime, late.realtime, cut.realtime) == (True, False, False)
+    assert late.ran_dry and cut.cut and not on_time.cut
+    assert refused.refused and not refused.admitted
+    level = summarize([on_time, late, cut, refused], "read", 2.0, window_s=2.0)
+    assert (level["admitted"], level["refused"], level["failed"]) == (3, 1, 0)
+    assert level["goodput_streams_per_s"] == 0.5  # one real-time stream in a 2 s window
+    assert level["goodput_audio_s_per_s"] == 1.5
+    assert level["admitted_realtime_share"] == pytest.approx(1 / 3)
+    assert level["cut_after_first_byte"] == 1
+    assert level["refusals_with_retry_after"] == 1 and level["refusal_statuses"] == {"503": 1}
+    assert level["refusal_ms_p99"] == pytest.approx(4.0)
+
+
+def level(mix, offered_x, goodput, realtime=1.0, ttfb=300.0, refused=10, refusal_ms=20.0,
+          retry_after=10, cut=0) -> dict:
+    return {"mix": mix, "offered_x": offered_x, "goodput_streams_per_s": goodput,
+            "admitted_realtime_share": realtime, "admitted_ttfb_ms_p99": ttfb,
+            "refused": refused, "refusal_ms_p99": refusal_ms,
+            "refusals_with_retry_after": retry_after, "cut_after_first_byte": cut}
+
+
+def test_the_acceptance_holds_each_mix_to_its_own_1x_and_to_slot_admission():
+    work = [level("chat", 1.0, 20.0), level("chat", 2.0, 19.0), level("chat", 3.0, 17.0),
+            level("read", 1.0, 100.0), level("read", 3.0, 95.0, retry_after=9)]
+    slots = [level("chat", 1.0, 21.0), level("read", 1.0, 120.0)]
+    result = acceptance(work, slots, ttfb_p99_ms=500.0)
+    assert result["chat"]["2x"]["goodput_ok"] and not result["chat"]["3x"]["goodput_ok"]
+    assert result["chat"]["1x_vs_slots"] == pytest.approx(20 / 21)
+    assert not result["read"]["3x"]["refusals_ok"]  # one refusal without Retry-After
+    assert result["read"]["1x_vs_slots"] == pytest.approx(100 / 120)
