@@ -175,6 +175,7 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     requester = asyncio.create_task(keep_requesting())
     # New requests on the old version first.
     await asyncio.sleep(args.interval_s if args.before_deploy_s is None else args.before_deploy_s)
+    sample_states(states, clock(), old_replicas)  # the capacity before
     record["deploy_t_s"] = clock()
     record["in_flight_at_deploy"] = sum(not t.done() for t in long_streams)
     record["deploy_output"] = await asyncio.to_thread(
@@ -182,11 +183,7 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     record["deploy_returned_t_s"] = clock()
 
     def rolled_out() -> bool:
-        now = synthesizer_replica_nodes()
-        state = replica_states()
-        states.append({"t_s": clock(), "states": state,
-                       "replicas": {r: ("new" if r not in old_replicas else "old")
-                                    for r in now}})
+        state, now = sample_states(states, clock(), old_replicas)
         return (state == {"RUNNING": 2} and len(now) == 2
                 and not set(now) & old_replicas)
 
@@ -200,6 +197,34 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     record["replica_states"] = states
     record["placed"] = stream_replicas(cluster.logs_dir)
     record["stopped_at"] = replicas_stopped_at(cluster.logs_dir)
+
+
+def sample_states(states: list[dict[str, Any]], t_s: float, old_replicas: set[str]
+                  ) -> tuple[dict[str, int], dict[str, Any]]:
+    """One sample of the Synthesizer's replicas (by state, and old or new) into ``states``."""
+    now = synthesizer_replica_nodes()
+    state = replica_states()
+    states.append({"t_s": t_s, "states": state,
+                   "replicas": {r: ("new" if r not in old_replicas else "old") for r in now}})
+    return state, now
+
+
+def capacity(states: list[dict[str, Any]], slots_per_replica: int) -> dict[str, Any]:
+    """Replicas taking new streams (RUNNING; a STOPPING one only finishes its own) before the
+    deploy (the first sample, on the deploy's clock), the fewest while it rolled out, and
+    after (the last), and the streams they hold at ``slots_per_replica`` each."""
+    serving = [(state["t_s"], state["states"].get("RUNNING", 0)) for state in states]
+    before = [n for t, n in serving if t < 0]
+    during = [n for t, n in serving if t >= 0]
+    result = {"replicas_before": before[-1] if before else None,
+              "replicas_during_min": min(during, default=None),
+              "replicas_after": during[-1] if during else None,
+              "slots_per_replica": slots_per_replica,
+              "serving_replicas": [{"t_s": t, "running": n} for t, n in serving]}
+    for key in ("before", "during_min", "after"):
+        replicas = result[f"replicas_{key}"]
+        result[f"streams_{key}"] = None if replicas is None else replicas * slots_per_replica
+    return result
 
 
 def long_text(args: argparse.Namespace) -> str:
@@ -263,6 +288,8 @@ def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]
         "errors": sorted({r["error"] or r["outcome"] for r in dropped + failed})[:10],
         "deploy_returned_s": round(record["deploy_returned_t_s"] - deploy_t, 1),
         "replica_states": fold_states(record["replica_states"], deploy_t),
+        "capacity": capacity(fold_states(record["replica_states"], deploy_t),
+                             record["slots_per_replica"]),
         "streams": long_rows,
         "new_request_rows": new_rows,
     }
@@ -308,7 +335,9 @@ def run(args: argparse.Namespace, cluster: AutoscalingLocalCluster, work: Path
         serve_deploy(config, dashboard_url, work, "old")
         wait_for_two_replicas(base_url)
         expected_audio_s = long_audio_s(base_url, long_text(args))
-        record: dict[str, Any] = {}
+        [app] = config["applications"]
+        record: dict[str, Any] = {
+            "slots_per_replica": app["args"]["engine_options"]["max_batch_size"]}
         asyncio.run(drive(args, cluster, base_url, dashboard_url, config, work, record))
         result = summarize(record, expected_audio_s)
         result["graceful_shutdown_timeout_s"] = deployment_config(

@@ -120,6 +120,7 @@ OVERLOAD_REASONS = {
     "wait": "no replica could start the stream in time",
     "queue": "every queue on the way is full",
     "behind": "the engine is catching up on the streams it holds",
+    "slots": "every stream slot is taken",
     "voices": "every loaded voice is in use",
 }
 

@@ -119,7 +119,43 @@ def single_stream(engine: MiniCPMOEngine, mode: str, args) -> tuple[dict, list[d
 async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival: str,
                     args: argparse.Namespace) -> dict:
     delays = arrival_delays(concurrency, arrival, args.audio_seconds)
-    total = len(delays)
+    planned = [(make_request(i, mode, args), delay) for i, delay in enumerate(delays)]
+    return await measure_level(engine, planned, {"mode": mode, "arrival": arrival,
+                                                 "concurrency": concurrency}, args)
+
+
+async def run_mixed_level(engine: MiniCPMOEngine, read: int, chat: int,
+                          args: argparse.Namespace) -> dict:
+    """Read and chat streams arriving together: Poisson arrivals of each kind at the rate that
+    holds ``read`` read and ``chat`` chat streams, in one level; each kind's real-time share
+    and TTFB in ``by_kind``, and ``ok`` only when both kinds hold."""
+    planned = [(make_request(i, kind, args), delay)
+               for kind, count in (("read", read), ("chat", chat))
+               for i, delay in enumerate(arrival_delays(count, "poisson", args.audio_seconds))]
+    planned.sort(key=lambda item: item[1])
+    return await measure_level(engine, planned, {"mode": "mixed", "arrival": "poisson",
+                                                 "concurrency": read + chat, "read": read,
+                                                 "chat": chat}, args)
+
+
+def by_kind(planned: list[tuple[SpeechRequest, float]], results: list[dict]) -> dict:
+    """Each kind's streams, real-time share and TTFB p50 / p99 (a mixed level's)."""
+    kinds: dict[str, list[dict]] = {}
+    for (request, _), result in zip(planned, results):
+        kinds.setdefault(request.mode, []).append(result)
+    return {kind: {"streams": len(rows),
+                   "realtime_share": sum(r["realtime"] for r in rows) / len(rows),
+                   "ttfb_ms_p50": percentile([r["ttfb_ms"] for r in rows if r["ttfb_ms"]], 50),
+                   "ttfb_ms_p99": percentile([r["ttfb_ms"] for r in rows if r["ttfb_ms"]], 99)}
+            for kind, rows in kinds.items()}
+
+
+async def measure_level(engine: MiniCPMOEngine, planned: list[tuple[SpeechRequest, float]],
+                        level: dict, args: argparse.Namespace) -> dict:
+    """Submit each planned request at its delay and measure the level (``level``: its mode,
+    arrival and counts, written first in the summary)."""
+    mode, concurrency = level["mode"], level["concurrency"]
+    total = len(planned)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     steps_before = engine.stats().steps
     busy_before_s = engine.stats().step_seconds
@@ -132,8 +168,8 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     if getattr(args, "kernel_profile_s", 0) and concurrency > 1 and torch.cuda.is_available():
         profiled = asyncio.ensure_future(profile_kernels(engine, args.audio_seconds * 0.8,
                                                          args.kernel_profile_s))
-    results = await asyncio.gather(*(run_one(engine, make_request(i, mode, args), d)
-                                     for i, d in enumerate(delays)))
+    results = await asyncio.gather(*(run_one(engine, request, delay)
+                                     for request, delay in planned))
     wall = time.perf_counter() - started
     steps = engine.stats().steps - steps_before
     busy_s = engine.stats().step_seconds - busy_before_s
@@ -156,7 +192,7 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     step_ms = [record.seconds * 1000 for record in steps_run]
     queue_ms = [wait * 1000 for record in steps_run for wait in record.queue_waits_s]
     summary = {
-        "mode": mode, "arrival": arrival, "concurrency": concurrency, "requests": total,
+        **level, "requests": total,
         "voices": getattr(args, "voices", 0),
         "ttfb_ms_p50": percentile(ttfbs, 50), "ttfb_ms_p90": percentile(ttfbs, 90),
         "ttfb_ms_p99": percentile(ttfbs, 99), "rtf_p50": percentile(rtfs, 50),
@@ -199,13 +235,20 @@ async def run_level(engine: MiniCPMOEngine, mode: str, concurrency: int, arrival
     if profiled is not None:
         summary["kernel_profile"] = await profiled
     summary["ok"] = bool(realtime_share >= 0.99 and (summary["ttfb_ms_p99"] or 1e9) <= 500)
+    if mode == "mixed":
+        summary["by_kind"] = by_kind(planned, results)
+        summary["ok"] = all(kind["realtime_share"] >= 0.99 and (kind["ttfb_ms_p99"] or 1e9) <= 500
+                            for kind in summary["by_kind"].values())
     summary["sample_request"] = results[0]
     print(json.dumps({k: v for k, v in summary.items() if k != "sample_request"}), flush=True)
     return summary
 
 
 def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
+    # admission by slots: a level measures what the engine holds with every stream admitted
+    # (its capacity); admitting by work is the overload benchmark's (bench/overload/engine.py)
     options = EngineOptions(device=args.device, dtype=args.dtype, max_slots=max_slots,
+                            admission="slots",
                             max_chat_slots=min(max_slots, args.max_chat_slots),
                             quantization=args.quantization,
                             max_queued=4096, tts_max_positions=args.tts_positions,
@@ -283,3 +326,10 @@ async def single_stream_in_voices(engine: MiniCPMOEngine, args: argparse.Namespa
         out[mode] = row
         print(json.dumps({"single_stream_voices": mode, **row}), flush=True)
     return out
+
+
+async def measure_mixed(engine: MiniCPMOEngine, args, levels: list[tuple[int, int]]) -> list:
+    """The mixed levels (read, chat), in order, after a warm-up of each kind."""
+    for mode in ("read", "chat"):
+        await run_level(engine, mode, 1, "burst", args)
+    return [await run_mixed_level(engine, read, chat, args) for read, chat in levels]

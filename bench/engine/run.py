@@ -44,7 +44,7 @@ import torch
 
 from bench.engine.compare_quantization import compare_quantization
 from bench.engine.measure import build_engine, measure_engine, register_voices, single_stream
-from bench.engine.measure import single_stream_in_voices
+from bench.engine.measure import measure_mixed, single_stream_in_voices
 from bench.engine.report import ROOT, git_commit, headline, merge_results, plot
 from bench.engine.roofline import GPUS, ModelSizes, roofline
 from serve_app.engines.minicpmo.engine import EngineOptions
@@ -58,7 +58,11 @@ def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--modes", nargs="+", default=["read", "chat"])
+    parser.add_argument("--modes", nargs="*", default=["read", "chat"])
+    parser.add_argument("--mixed", nargs="+", default=[], metavar="READ:CHAT",
+                        help="mixed levels: READ read and CHAT chat streams arriving together "
+                             "(Poisson each), e.g. 576:192 768:256; max_realtime_streams.mixed "
+                             "is the largest where both kinds hold")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64, 128, 256, 512])
     parser.add_argument("--chat-concurrency", nargs="+", type=int, default=None)
     parser.add_argument("--arrivals", nargs="+", default=["burst", "poisson"])
@@ -178,13 +182,16 @@ def main() -> None:
         engine.close()
         result["baseline_sequential_eager"] = base
 
-    max_slots = max(max(levels[m]) for m in args.modes)
+    mixed = [tuple(int(n) for n in level.split(":")) for level in args.mixed]
+    max_slots = max([max(levels[m]) for m in args.modes] + [r + c for r, c in mixed])
     engine = build_engine(model, args, max_slots)
     if args.voices:
         result["voice_registration"] = register_voices(engine, args.voices)
         print(json.dumps(result["voice_registration"]), flush=True)
         result["single_stream_voices"] = asyncio.run(single_stream_in_voices(engine, args))
     measured = asyncio.run(measure_engine(engine, args, args.modes, levels))
+    if mixed:
+        result["mixed"] = asyncio.run(measure_mixed(engine, args, mixed))
     engine.close()
     sweep = measured["sweep"]
     result["sweep"] = sweep
@@ -192,6 +199,11 @@ def main() -> None:
     result["max_realtime_streams"] = {}
     for mode in args.modes:
         result["single_stream"][mode], result["max_realtime_streams"][mode] = headline(sweep, mode)
+    if mixed:
+        held = [row for row in result["mixed"] if row["ok"]]
+        top = max(held, key=lambda row: row["concurrency"], default=None)
+        result["max_realtime_streams"]["mixed"] = (
+            {"read": top["read"], "chat": top["chat"]} if top else {"read": 0, "chat": 0})
     result["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     sizes = ModelSizes.of(model, tts_kv_cache_dtype=args.tts_kv_cache_dtype)
     result["model_sizes"] = sizes.as_dict()

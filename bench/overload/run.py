@@ -179,14 +179,22 @@ def finish(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def merged(paths: list[Path]) -> dict[str, Any]:
-    """Runs of one rule each, joined: the first's facts, every run's levels and sessions."""
+    """Runs joined, in order: the last's facts, every run's levels (each with its run's
+    commit; a later run's level of the same mix and load replaces an earlier one's) and the
+    last run's sessions."""
     parts = [json.loads(path.read_text()) for path in paths]
-    result = {**parts[0], "merged_from": [part["command"] for part in parts]}
+    result = {**parts[-1], "merged_from": [f"{part['git_commit']}: {part['command']}"
+                                          for part in parts]}
     for key in ("levels", "slots_levels"):
-        result[key] = [level for part in parts for level in part.get(key, [])]
+        joined: dict[tuple[str, float], dict[str, Any]] = {}
+        for part in parts:
+            for level in part.get(key, []):
+                joined[(level["mix"], level["offered_x"])] = {**level,
+                                                              "git_commit": part["git_commit"]}
+        result[key] = sorted(joined.values(), key=lambda level: (level["mix"], level["offered_x"]))
     for part in parts:
         if "sessions" in part:
-            result["sessions"] = part["sessions"]
+            result["sessions"] = {**part["sessions"], "git_commit": part["git_commit"]}
     return result
 
 

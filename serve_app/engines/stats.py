@@ -42,8 +42,12 @@ class EngineStats:
     refused_wait: int = 0
     refused_queue: int = 0
     refused_behind: int = 0
+    refused_slots: int = 0
     ran_dry_chunks: int = 0  # chunks that came after their listener had played all it had
     refused_load: float = 0.0
+    # slots neither running nor promised to a queued stream, where a stream without one is
+    # refused (MiniCPM-o admitting by work); -1 where the engine queues instead (Piper)
+    free_slots: int = -1
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -56,8 +60,9 @@ class EngineStats:
 
     def has_room(self, kind: str = "read") -> bool:
         """Whether one more stream of ``kind`` fits (always, where the engine admits by slots:
-        its queue decides)."""
-        return self.work_limit <= 0 or self.headroom(kind) >= 1
+        its queue decides; and where it holds no stream: an idle engine takes what comes)."""
+        return (self.work_limit <= 0 or self.headroom(kind) >= 1
+                or self.active_streams + self.queued_streams == 0)
 
     def headroom(self, kind: str = "read") -> float:
         """How many more streams of ``kind`` fit the real-time budget now (0 when none; a large
@@ -65,4 +70,11 @@ class EngineStats:
         cost = getattr(self, f"{kind}_stream_load", 0.0)
         if self.work_limit <= 0 or cost <= 0:
             return float(max(self.max_slots - self.active_streams - self.queued_streams, 0))
-        return max((self.work_limit - self.work_load) / cost, 0.0)
+        room = max((self.work_limit - self.work_load) / cost, 0.0)
+        return room if self.free_slots < 0 else min(room, float(self.free_slots))
+
+    def refusal_reason(self, kind: str = "read") -> str:
+        """Why one more stream of ``kind`` does not fit (:meth:`has_room` is False)."""
+        cost = getattr(self, f"{kind}_stream_load", 0.0)
+        work_room = (self.work_limit - self.work_load) / cost if cost > 0 else 1.0
+        return "work" if work_room < 1 else "slots"

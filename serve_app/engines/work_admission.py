@@ -25,6 +25,11 @@ so a cold engine admits no more than the slots would; a prior's weight in the fi
 streamed-text session while it waits for text, so the work a session will still bring keeps its
 place and sessions opened later cannot starve it (its later text is never refused for load).
 
+**Slots**: the work a stream brings may fit while every slot is taken (a read stream costs
+little, and slots bound how many run); a stream for which no slot is free, counting those
+queued ahead, is refused at once (reason ``slots``): waiting for a stream to end would be
+waiting seconds.
+
 **Waiting**: a stream that cannot take a slot now may wait in the engine's queue only as long as
 its first audio can still come within ``first_audio_deadline_s``; past that it is refused
 (reason ``wait``), still before any work on it. At submission, a queue that already holds more
@@ -59,7 +64,7 @@ from .errors import EngineOverloadedError
 
 STREAM_KINDS = ("read", "chat", "cloned", "streamed")
 ADMISSION_MODES = ("work", "slots")
-REFUSAL_REASONS = ("work", "wait", "queue", "behind")
+REFUSAL_REASONS = ("work", "wait", "queue", "behind", "slots")
 # New streams wait while the last steps' measured load (EWMA) is this far over the limit.
 MEASURED_SLACK = 0.1
 MIN_WAIT_STEPS = 2  # a queued stream may always wait this many steps for its slot
@@ -201,7 +206,11 @@ class WorkAdmission:
                 load = self.model.load(self._committed + added)
                 # the projection, and what the last steps measured: a fit that lags a change
                 # of pace cannot admit past what the engine is doing now
-                if load > self.limit or self.measured_load > self.limit + MEASURED_SLACK:
+                # an engine that holds nothing takes what it is offered: a model that learned
+                # a slow spell would otherwise refuse for ever, with no step to unlearn it
+                busy = bool(self._committed.any())
+                if busy and (load > self.limit
+                             or self.measured_load > self.limit + MEASURED_SLACK):
                     self._refuse("work", added)
                     raise EngineOverloadedError("the engine's real-time budget is full", "work")
                 if self._behind():
@@ -215,6 +224,13 @@ class WorkAdmission:
                         raise EngineOverloadedError("the engine's queue would start it too late", "queue")
             self._committed += added
             self.counters.admitted += len(works)
+
+    def refuse_now(self, works: Sequence[StreamWork], reason: str,
+                   message: str) -> EngineOverloadedError:
+        """New streams refused before they were taken (the engine's own check): counted."""
+        with self._lock:
+            self._refuse(reason, sum((w.vector() for w in works), np.zeros(len(STREAM_KINDS))))
+        return EngineOverloadedError(message, reason)
 
     def release(self, work: StreamWork) -> None:
         """A committed stream ended (completed, failed, aborted or refused while waiting)."""

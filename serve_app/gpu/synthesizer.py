@@ -30,6 +30,7 @@ from serve_app import errors
 from serve_app.config import DEFAULT_VOICE_STORE, BatchingConfig
 from serve_app.engines.base import (
     AudioChunk,
+    EngineOverloadedError,
     InvalidRequestError,
     SpeechRequest,
     refuse_unsupported,
@@ -140,6 +141,9 @@ class Synthesizer:
         except EngineDeadError as exc:
             finished = True
             yield errors.synthesis_unavailable(request_id, exc)
+        except EngineOverloadedError as exc:  # refused while queued, before any audio: a 503
+            finished = True
+            yield errors.overloaded(exc.reason)
         except Exception as exc:  # one failing stream never ends the others
             finished = True
             self._engine.abort(request_id)
@@ -156,10 +160,13 @@ class Synthesizer:
 
     async def _admitted(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
         """Load the request's stored voice if need be, wait for the request's batch to be
-        submitted, then relay its engine stream. A stream in a stored voice that the engine
-        has no room for is refused before its voice is loaded (the engine's last stats)."""
-        if is_voice_id(request.voice) and not self._engine.stats().has_room(request.mode):
-            yield errors.overloaded("work")
+        submitted, then relay its engine stream. A stream the engine has no room for (its
+        stats as last pushed, at most ~0.1 s old) is refused at once: before its voice is
+        loaded, and without a submission, whose round trip to a busy engine would queue the
+        rest of a burst behind the refusals (read at 3x on an H200: seconds)."""
+        stats = self._engine.stats()
+        if not stats.has_room(request.mode):
+            yield errors.overloaded(stats.refusal_reason(request.mode))
             return
         admitted = await self._voices.admit(request, self._admission)
         self._watch.waiting_for_admission.discard(request.request_id)

@@ -115,6 +115,17 @@ def test_a_measured_engine_admits_by_what_the_streams_cost():
     admission.take([CHAT] * 100)
 
 
+def test_an_engine_that_learned_a_slow_spell_still_takes_a_stream_when_it_holds_none():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=8, max_chat_slots=2)
+    for _ in range(200):  # a machine so busy that one stream took twice the budget
+        admission.observe_step(np.array([1.0, 0.0, 0.0, 0.0]), 2.0, 0.05)
+    admission.take([READ])  # idle: taken, and its steps will say how fast the engine is now
+    with pytest.raises(EngineOverloadedError):
+        admission.take([READ])
+    admission.release(READ)
+    admission.take([READ])
+
+
 def test_a_batch_is_taken_whole_or_not_at_all():
     admission = WorkAdmission("work", 0.5, 0.5, max_slots=8, max_chat_slots=8)
     admission.take([READ] * 6)

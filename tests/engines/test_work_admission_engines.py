@@ -16,6 +16,7 @@ import torch
 
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.registry import create_engine
+from serve_app.engines.work_admission import REFUSAL_REASONS
 from tests.engines.test_engine_contract import Sink
 
 TEXT = "Admission by work keeps what it admits in real time."
@@ -58,7 +59,7 @@ def test_offered_ten_times_its_slots_an_engine_refuses_the_excess_and_speaks_the
                 engine.submit_to([one], sink)
                 admitted.append(one.request_id)
             except EngineOverloadedError as refusal:
-                assert refusal.reason in ("work", "queue")
+                assert refusal.reason in ("work", "queue", "slots")
                 refused_at_once += 1
         await asyncio.wait_for(sink.wait_ended(*admitted), HANG_GUARD_S)
         return sink, admitted, refused_at_once
@@ -76,7 +77,7 @@ def test_offered_ten_times_its_slots_an_engine_refuses_the_excess_and_speaks_the
     assert 1 <= len(spoken) <= 4 * SLOTS
     assert refused_at_once + len(late) == OFFERED - len(spoken) > 0
     refused = sum(getattr(after, f"refused_{reason}") - getattr(before, f"refused_{reason}")
-                  for reason in ("work", "wait", "queue"))
+                  for reason in REFUSAL_REASONS)
     assert refused == OFFERED - len(spoken)
     assert after.completed - before.completed == len(spoken)
     # every admitted stream gave its work back: the engine has room again
@@ -100,8 +101,8 @@ def test_a_refused_submission_touches_nothing(engine):
             engine.submit_to(batch, sink)
         after = engine.stats()
         assert after.admitted_streams == before.admitted_streams
-        assert (after.refused_work + after.refused_queue
-                == before.refused_work + before.refused_queue + 3)
+        assert sum(getattr(after, f"refused_{reason}") - getattr(before, f"refused_{reason}")
+                   for reason in REFUSAL_REASONS) == 3
         assert not any(sink.of(one.request_id) for one in batch)
         for request_id in held:
             engine.abort(request_id)

@@ -39,6 +39,25 @@ def test_a_rollout_drops_no_stream_and_fails_no_request(tmp_path: Path) -> None:
     assert report["rollout_s"] is not None and report["new_version_serving_s"] is not None
     assert report["requests_by_version"]["new"] >= 1
     assert report["requests_during_rollout"] >= 1
+    # capacity before, during and after: two replicas took new streams before the deploy and
+    # after the rollout; during it, at least one (Serve replaces one replica at a time)
+    capacity = report["capacity"]
+    assert capacity["replicas_before"] == capacity["replicas_after"] == 2, capacity
+    assert capacity["replicas_during_min"] >= 1, capacity
     # The streams in flight were served to their end by the old replicas, whole.
     in_flight = [s for s in report["streams"] if s["version"] == "old"]
     assert in_flight and all(s["outcome"] == "finished" for s in in_flight)
+
+
+def test_capacity_through_a_rollout_counts_the_replicas_taking_new_streams() -> None:
+    from fleet.upgrade_drain import capacity
+
+    states = [{"t_s": -1.0, "states": {"RUNNING": 2}},
+              {"t_s": 0.5, "states": {"RUNNING": 1, "STOPPING": 1, "STARTING": 1}},
+              {"t_s": 40.0, "states": {"RUNNING": 2, "STOPPING": 1}},
+              {"t_s": 90.0, "states": {"RUNNING": 2}}]
+    held = capacity(states, slots_per_replica=4)
+    assert (held["replicas_before"], held["replicas_during_min"], held["replicas_after"]) == (
+        2, 1, 2)
+    assert (held["streams_before"], held["streams_during_min"], held["streams_after"]) == (
+        8, 4, 8)

@@ -156,12 +156,24 @@ class Scheduler:
             if len(set(ids)) < len(ids) or any(
                     i in self.active or any(s.request_id == i for s in self.pending) for i in ids):
                 raise InvalidRequestError("duplicate request id", "request_id")
+            if self.work.by_work:
+                self._refuse_without_slots(streams)
             self.work.take([s.work for s in streams], queued_ahead=len(self.pending),
                            admissions_per_step=self._admissions_per_step)
             for stream in streams:
                 stream.committed = True
             self.pending.extend(streams)
             self._streamed.update((s.request_id, s) for s in streams if s.fed_text is not None)
+
+    def _refuse_without_slots(self, streams: list[Stream]) -> None:
+        """Admitting by work, new streams need free slots beyond those the queue will take
+        (a chat stream an LLM slot too); else they are refused now (under the lock)."""
+        chat = sum(s.plan.is_chat for s in streams)
+        queued_chat = sum(s.plan.is_chat for s in self.pending)
+        if (len(self.pending) + len(streams) > len(self._free_slots)
+                or queued_chat + chat > len(self._free_llm_slots)):
+            raise self.work.refuse_now([s.work for s in streams], "slots",
+                                       "every stream slot is taken")
 
     def feed(self, request_id: str, delta: str, done: bool) -> None:
         """Hand text to a streamed request (see :meth:`Engine.feed_text` for the errors)."""
@@ -184,6 +196,8 @@ class Scheduler:
         with self.lock:
             self._stats.active_streams = len(self.active)
             self._stats.queued_streams = len(self.pending)
+            if self.work.by_work:  # a stream without a free slot is refused (enqueue)
+                self._stats.free_slots = max(len(self._free_slots) - len(self.pending), 0)
             stats = EngineStats(**self._stats.as_dict())
         return stats.with_work(self.work.snapshot())
 
@@ -197,8 +211,9 @@ class Scheduler:
         with self.lock:
             if not self.pending or now - self.pending[0].submitted_at <= self.work.shortest_wait_s():
                 return []  # the oldest has not waited past any allowance: none has
-            late = self.work.expired([(now - s.submitted_at, s.plan.is_chat)
-                                      for s in self.pending])
+            # a streamed-text session's stream keeps its place (admitted at session.start)
+            late = [gone and s.fed_text is None for s, gone in zip(self.pending, self.work.expired(
+                [(now - s.submitted_at, s.plan.is_chat) for s in self.pending]))]
             if not any(late):
                 return []
             expired = [s for s, gone in zip(self.pending, late) if gone]

@@ -143,9 +143,8 @@ class StepLoop:
                 for stream in self.scheduler.running():
                     self.endings.fail(
                         stream, EngineError(f"engine step failed: {type(error).__name__}"))
-            # logged before the step's batched deliveries (the engine process's wire); a
-            # per-item sink (an event loop in this process) has had each item at once, so its
-            # caller may hold a step's last chunk a moment before the step is logged
+            # logged before the step's batched deliveries (the engine process's wire); a per-item
+            # sink (this process's event loop) had each item at once, before the step's log
             self.record.finish(self.phases.take_step())
             self.endings.outbox.deliver()
             step_s = time.perf_counter() - started_s
@@ -154,9 +153,8 @@ class StepLoop:
             ran_dry = self.endings.outbox.take_ran_dry()
             self.scheduler.count(ran_dry=ran_dry)
             # the step's load against what ran in it (the streams open when it began)
-            cuts = self.admission.audio_cuts
             self.scheduler.work.observe_step(open_by_kind, step_s / self.step_budget_s, step_s,
-                                             ran_dry, cuts.uncut_thin if cuts.on_demand else 0)
+                                             ran_dry, self.admission.audio_cuts.uncut_thin)
 
     def _step(self) -> None:
         """One engine step: plan -> launch -> collect (their device work in this order)."""

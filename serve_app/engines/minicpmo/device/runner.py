@@ -93,7 +93,7 @@ class ModelRunner:
         self.window = options.steps_per_sync
         self.spans = key_count_buckets(options.tts_max_positions + 1)
         # What the device was asked to do, by kind (benchmarks turn it into bytes moved per
-        # phase; see scripts/bench_engine.py): calls, rows computed (graph padding included),
+        # phase; see bench/engine/measure.py): calls, rows computed (graph padding included),
         # and key positions attention read.
         self.work: collections.Counter = collections.Counter()
         self.decoder = model.decoder

@@ -85,6 +85,7 @@ class FirstChunkPlanner:
     """Follows the engine's step time and plans each new stream's cuts (:func:`piece_cuts`)."""
 
     on_demand = False  # no cuts besides the plan (see :mod:`.audio_cuts`)
+    uncut_thin = 0  # thin listeners left uncut: none counted (admission by work reads it)
 
     def __init__(self, options: EngineOptions) -> None:
         self.chunk_frames = options.chunk_frames

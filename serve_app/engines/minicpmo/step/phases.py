@@ -1,4 +1,4 @@
-"""Phase timing: each engine step's time by phase (the names ``scripts/roofline.py`` reads)."""
+"""Phase timing: each engine step's time by phase (the names ``bench/engine/roofline.py`` reads)."""
 
 from __future__ import annotations
 

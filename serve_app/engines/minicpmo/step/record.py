@@ -1,5 +1,5 @@
 """The step log: one :class:`StepRecord` per engine step, for benchmarks that ask what a tail
-latency is made of (``Engine.step_log``; ``scripts/bench_engine.py`` reads it)."""
+latency is made of (``Engine.step_log``; ``bench/engine/measure.py`` reads it)."""
 
 from __future__ import annotations
 
