@@ -140,6 +140,7 @@ def summarize(record: dict[str, Any], streams: list[tuple[str, float, StreamFate
         "fill_by_replica": admitted_by_replica(fates(FILL), placed),
         "capacity_before_burst": record["capacity_before_burst"],
         "audio_s_per_stream": record["audio_s"],
+        "held_s_per_stream": record["held_s"],
         "burst": phase_figures(fates(BURST)),
         "follow": phase_figures(fates(FOLLOW)),
         "overload": phase_figures(fates(BURST, FOLLOW)),

@@ -20,10 +20,12 @@ the replicas' logs.
 2. **fill**: at once, the streams the two replicas have room for less ``--fill-spare`` (1: one
    replica full, the other one stream short; more than either has room for): none may be
    refused; where each ran.
-3. **burst**: Poisson arrivals at ``--burst-x`` times the two replicas' capacity (read idle
-   again) for ``--burst-s``; then waves of ``--wave-s`` at ``--follow-x`` times it until a
-   replica on the node the autoscaler added has served a stream (at most
-   ``--new-replica-timeout-s`` after the burst began).
+3. **burst**: Poisson arrivals for ``--burst-s`` at ``--burst-x`` times the rate that keeps the
+   two replicas' capacity (read idle again) held: that capacity over how long an engine held a
+   fill stream (from its arrival to its last audio; paced, an engine is done with a stream its
+   lead before the stream's audio plays out); then waves of ``--wave-s`` at ``--follow-x``
+   times that rate until a replica on the node the autoscaler added has served a stream (at
+   most ``--new-replica-timeout-s`` after the burst began).
 
 The listeners are the overload benchmark's (``bench/overload/client.py``: each stream's
 :class:`~bench.overload.levels.StreamFate`, counted by ``levels.summarize``). Every
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import threading
 import time
@@ -120,8 +123,8 @@ def overload_config(port: int, args: argparse.Namespace) -> dict[str, Any]:
     config = fleet_app_config(port)
     [app] = config["applications"]
     app["args"]["engine_options"].update(
-        admission="work", admission_margin=ADMISSION_MARGIN, paced_lead_s=PACED_LEAD_S,
-        **key_values(args.engine_option))
+        {"admission": "work", "admission_margin": ADMISSION_MARGIN,
+         "paced_lead_s": PACED_LEAD_S, **key_values(args.engine_option)})
     synthesizer = deployment_config(config, SYNTHESIZER)
     # As build_app derives it admitting by work (every stream the engine holds): the demo's 8
     # would queue at the Ingress's handle what the engine would refuse at once.
@@ -237,15 +240,19 @@ def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, waves: Wav
     print(f"capacity by replica {idle}: the fill offers {fill} streams at once", flush=True)
     record["fill_at"] = waves.offer(FILL, [(i * FILL_SPACING_S, "read") for i in range(fill)])
     waves.wait(args.give_up_s)
-    audio_s = max((f.audio_s for f in waves.of(FILL) if f.whole), default=0.0)
-    if not audio_s:
+    whole = [f for f in waves.of(FILL) if f.whole and f.last_audio_s is not None]
+    if not whole:
         raise RuntimeError("no fill stream ended whole: nothing to pace the burst by")
+    # An engine holds a stream from its admission to its last audio (paced: its lead before
+    # the audio plays out): the rate that keeps the replicas' capacity held is capacity / that.
+    held_s = statistics.median(f.last_audio_s for f in whole)
     idle = idle_capacity(len(first))
     capacity = round(sum(idle.values()), 2)
-    record.update(capacity_before_burst=idle, audio_s=round(audio_s, 2))
-    burst = arrivals("read", {"read": capacity}, args.burst_x, args.burst_s, audio_s)
-    print(f"capacity by replica {idle}: the burst offers {len(burst)} streams of "
-          f"{audio_s:.1f} s over {args.burst_s:g} s", flush=True)
+    record.update(capacity_before_burst=idle, held_s=round(held_s, 2),
+                  audio_s=round(max(f.audio_s for f in whole), 2))
+    burst = arrivals("read", {"read": capacity}, args.burst_x, args.burst_s, held_s)
+    print(f"capacity by replica {idle}, each stream held {held_s:.1f} s: the burst offers "
+          f"{len(burst)} streams over {args.burst_s:g} s", flush=True)
     record["burst_at"] = waves.offer(BURST, burst)
     time.sleep(args.burst_s)
     deadline = record["burst_at"] + args.new_replica_timeout_s
@@ -253,7 +260,7 @@ def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, waves: Wav
     while time.time() < deadline and not new_replica_served(cluster.logs_dir, first):
         wave += 1
         waves.offer(FOLLOW, arrivals("read", {"read": capacity}, args.follow_x, args.wave_s,
-                                       audio_s, seed=wave))
+                                       held_s, seed=wave))
         wait_until(lambda: new_replica_served(cluster.logs_dir, first), args.wave_s, 1.0)
     record["load_stopped_at"] = time.time()
     record["replica_nodes_at_end_of_load"] = synthesizer_replica_nodes()
