@@ -73,10 +73,11 @@ from harness.local_ray import free_ports
 from harness.service import haproxy_env_of_its_own
 
 MIN_WORKERS, MAX_WORKERS = 2, 3
-# The Synthesizer stands in for a GPU replica: the GPU profiles' margin (serve_config.yaml), not
-# the CPU profile's 0.2, which gives one engine a whole machine; here two or three engines share
-# two cores with the front and the listeners. At 0.2 each engine admitted 16-17 streams (its
-# cost floor) and a burst's admitted streams ran dry (docs/operations.md, "Overload").
+# The Synthesizer stands in for a GPU replica: the GPU profiles' margin (serve_config.h200.yaml,
+# .a10g, .chat), not the CPU profile's 0.2, which gives one engine a whole machine; here two or
+# three engines share two cores with the front and the listeners. At 0.2 each engine admitted
+# 13-17 streams (near its cost floor) and most of a burst's admitted streams ran dry
+# (docs/benchmarks/history/overload-nodes-margin-0.2-lead-1s-c632a10.json).
 ADMISSION_MARGIN = 0.5
 # Paced Piper makes a stream's next sentence (~4.5 s of audio) when its listener has this much
 # left; a batch of four sentences takes 0.6-1 s here, so at a burst a sentence due behind a
