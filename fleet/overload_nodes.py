@@ -97,11 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the fill: the streams the two replicas have room for, less this "
                              "many, at once (1: one replica full, the other one stream short)")
     parser.add_argument("--burst-x", type=float, default=3.0,
-                        help="the burst: this many times the two replicas' capacity")
+                        help="the burst: this many times the rate that keeps the two "
+                             "replicas' capacity held")
     parser.add_argument("--burst-s", type=float, default=15.0)
     parser.add_argument("--follow-x", type=float, default=1.5,
                         help="after the burst, until the new replica serves: this many times "
-                             "the two replicas' capacity")
+                             "that rate")
     parser.add_argument("--wave-s", type=float, default=5.0)
     parser.add_argument("--new-replica-timeout-s", type=float, default=300.0,
                         help="after the burst began, offer load this long at most for the new "
