@@ -26,12 +26,12 @@ nodes went up and down by the autoscaler with no stream failed or cut.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +52,17 @@ from fleet.autoscaling_cluster import (
 from fleet.cluster_demo import deploy_config, replica_states, wait_until
 from fleet.scenario import (
     SYNTHESIZER,
+    add_output_args,
     connect_driver,
     deployment_config,
     fleet_app_config,
     log_to_screen,
     report_run,
     synthesizer_replica_nodes,
+    timeline_dump,
 )
 from harness.local_ray import free_ports
-from harness.service import ROOT, haproxy_env_of_its_own
+from harness.service import haproxy_env_of_its_own
 
 logger = logging.getLogger("autoscaler_nodes")
 
@@ -85,10 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--settle-timeout-s", type=float, default=120.0,
                         help="after the load, wait this long at most for the node's removal")
     parser.add_argument("--sample-s", type=float, default=2.0)
-    parser.add_argument("--logs", type=Path, default=None,
-                        help="copy the cluster's logs here at the end")
-    parser.add_argument("--out", type=Path,
-                        default=ROOT / "docs" / "benchmarks" / "autoscaler-nodes.json")
+    add_output_args(parser, "autoscaler-nodes.json")
     return parser.parse_args(argv)
 
 
@@ -103,12 +102,15 @@ def first_stream_audio_s(base_url: str, body: dict[str, Any]) -> float:
 
 
 class Sampler:
-    """Nodes, replicas and demand every ``interval_s``, in a thread, on the epoch clock."""
+    """Nodes, replicas and demand every ``interval_s`` (``take``: :func:`take_sample`, or one
+    that adds to it), in a thread, on the epoch clock."""
 
-    def __init__(self, gcs_address: str, interval_s: float) -> None:
+    def __init__(self, gcs_address: str, interval_s: float,
+                 take: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.samples: list[dict[str, Any]] = []
         self._gcs_address = gcs_address
         self._interval_s = interval_s
+        self._take = take or take_sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -123,7 +125,7 @@ class Sampler:
     def _run(self) -> None:
         last = None
         while not self._stop.is_set():
-            sample = take_sample(self._gcs_address)
+            sample = self._take(self._gcs_address)
             self.samples.append(sample)
             shown = (sample.get("gpu_like_nodes"), sample.get("replicas"),
                      len(sample.get("pending_demand") or []))
@@ -345,13 +347,6 @@ def run(args: argparse.Namespace, cluster: AutoscalingLocalCluster, work: Path
     return result
 
 
-def _dump(result: dict[str, Any]) -> str:
-    """JSON with one line per timeline sample, so the file reads as a table."""
-    head = {k: v for k, v in result.items() if k != "timeline"}
-    rows = ",\n".join(f"  {json.dumps(sample)}" for sample in result.get("timeline", []))
-    return json.dumps(head, indent=1)[:-2] + f',\n "timeline": [\n{rows}\n ]\n}}\n'
-
-
 def main(argv: list[str] | None = None) -> int:
     log_to_screen()
     args = parse_args(argv)
@@ -370,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "a GPU-like worker node as the Synthesizer scales under a Locust ramp (Piper, one "
         "machine)", cluster, run_here, passed, args.out, args.logs,
         ("nodes_went", "replicas_went", "streams", "failed_streams", "cut_streams",
-         "node_up_s", "replica_serving_s", "node_terminated"), dump=_dump)
+         "node_up_s", "replica_serving_s", "node_terminated"), dump=timeline_dump)
     if result.get("timeline") and "node_launches" in result:
         plot(result, args.out.with_suffix(".png"))
     return 0 if result["passed"] else 1

@@ -72,16 +72,22 @@ def deployment_config(config: dict[str, Any], name: str) -> dict[str, Any]:
     return next(d for d in app["deployments"] if d["name"] == name)
 
 
-def synthesizer_replica_nodes() -> dict[str, str]:
-    """Replica id -> node id of every live Synthesizer replica (the GCS actor table)."""
+def synthesizer_actors() -> dict[str, dict[str, Any]]:
+    """Replica id -> the GCS actor table's entry of every live Synthesizer replica."""
     import ray
 
     found = {}
     for actor in ray._private.state.actors().values():
         name = actor.get("Name") or ""
         if actor.get("State") == "ALIVE" and f"#{SYNTHESIZER}#" in name:
-            found[name.rsplit("#", 1)[1]] = actor["Address"]["NodeID"]
+            found[name.rsplit("#", 1)[1]] = actor
     return found
+
+
+def synthesizer_replica_nodes() -> dict[str, str]:
+    """Replica id -> node id of every live Synthesizer replica (the GCS actor table)."""
+    return {replica: actor["Address"]["NodeID"]
+            for replica, actor in synthesizer_actors().items()}
 
 
 # Serve's line for each call a replica starts (at DEBUG: the Synthesizer's logging_config),
@@ -97,15 +103,17 @@ def trace_synthesizer_calls(config: dict[str, Any]) -> None:
     deployment_config(config, SYNTHESIZER)["logging_config"] = {"log_level": "DEBUG"}
 
 
-def stream_replicas(logs_dir: Path) -> dict[str, str]:
+def stream_replicas(logs_dir: Path, patterns: tuple[re.Pattern, ...] = (CALL_STARTED, FIRST_AUDIO)
+                    ) -> dict[str, str]:
     """Request id -> Synthesizer replica id, from each replica's log: Serve's line for a
     ``synthesize`` call it started (:func:`trace_synthesizer_calls`) or, at the stream's end,
-    ours for its first audio (``synthesizer._log_first_chunk``)."""
+    ours for its first audio (``synthesizer._log_first_chunk``; ``patterns`` (FIRST_AUDIO,):
+    only the streams a replica served audio for)."""
     found = {}
     for path in (logs_dir / "serve").glob(f"replica_{APP_NAME}_{SYNTHESIZER}_*.log"):
         replica = path.stem.rsplit("_", 1)[1]
         text = path.read_text(errors="replace")
-        for pattern in (CALL_STARTED, FIRST_AUDIO):
+        for pattern in patterns:
             for match in pattern.finditer(text):
                 found[match[1]] = replica
     return found
@@ -154,6 +162,12 @@ def add_run_args(parser: Any, out_name: str, streams_per_kind: int, give_up_s: f
                         help=streams_help)
     parser.add_argument("--give-up-s", type=float, default=give_up_s,
                         help="a stream still open this long after it started has hung")
+    add_output_args(parser, out_name)
+
+
+def add_output_args(parser: Any, out_name: str) -> None:
+    """Where a run copies the cluster's logs (``--logs``) and writes its JSON (``--out``,
+    ``docs/benchmarks/<out_name>`` unless told)."""
     parser.add_argument("--logs", type=Path, default=None,
                         help="copy the cluster's logs here at the end")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / out_name)
@@ -169,6 +183,13 @@ def machine() -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def timeline_dump(result: dict[str, Any]) -> str:
+    """JSON with one line per timeline sample, so the file reads as a table."""
+    head = {k: v for k, v in result.items() if k != "timeline"}
+    rows = ",\n".join(f"  {json.dumps(sample)}" for sample in result.get("timeline", []))
+    return json.dumps(head, indent=1)[:-2] + f',\n "timeline": [\n{rows}\n ]\n}}\n'
 
 
 def report_run(script: str, what: str, cluster: AutoscalingLocalCluster,

@@ -5,6 +5,9 @@ keep time), each stream recorded as a :class:`~bench.overload.levels.StreamFate`
 A WebSocket session (``kind`` "session") is ``session.start``, the text in a few deltas with
 pauses, ``input_text.done``: refused if ``session.start`` is answered with an error, lost if
 it was accepted and then ended without ``response.done``.
+
+Each stream sends a request id of its own (``x-request-id``, kept on its fate), which Serve
+makes the id of its call to the Synthesizer: a fleet run traces it to its replica.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import json
 import multiprocessing
 import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -85,7 +89,8 @@ async def _session(session: aiohttp.ClientSession, base_url: str, fate: StreamFa
 async def _one(session: aiohttp.ClientSession, base_url: str, at_s: float, kind: str,
                t0: float, headers: dict[str, str]) -> dict[str, Any]:
     await asyncio.sleep(max(0.0, t0 + at_s - time.perf_counter()))
-    fate = StreamFate(kind=kind, at_s=at_s)
+    fate = StreamFate(kind=kind, at_s=at_s, request_id=uuid.uuid4().hex)
+    headers = {**headers, "x-request-id": fate.request_id}
     started = time.perf_counter()
     run = _session if kind == "session" else _http_stream
     try:

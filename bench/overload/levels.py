@@ -55,11 +55,13 @@ class StreamFate:
     answered_s: float | None = None  # the status (or the engine's refusal) came
     retry_after: bool = False
     first_audio_s: float | None = None
+    last_audio_s: float | None = None  # its last audio came (the engine was done with it)
     audio_s: float = 0.0
     ran_dry: bool = False
     dry_at_s: float | None = None  # when it first ran dry, seconds after its first audio
     whole: bool = False  # ended as a stream should (final chunk / complete body)
     error: str | None = None
+    request_id: str | None = None  # what it sent as x-request-id (served: its replica's log)
 
     def audio(self, now_s: float, seconds: float) -> None:
         """``seconds`` of audio arrived ``now_s`` after the arrival."""
@@ -72,6 +74,7 @@ class StreamFate:
                 self.dry_at_s = now_s - self.first_audio_s
             self.ran_dry = True
         self.audio_s += seconds
+        self.last_audio_s = now_s
 
     @property
     def refused(self) -> bool:

@@ -96,7 +96,9 @@ def parse_args(argv: list[str] | None = None, *, prog: str = "scripts/bench_serv
     return args
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
+def key_values(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (``--engine-option``, ``--deployment-option``), each value read as
+    YAML."""
     parsed = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -122,7 +124,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
     minicpmo = app["args"].get("engine", "piper") == "minicpmo"
     if minicpmo and not args.config_engine_options:
         options.update(BENCH_ENGINE_OPTIONS)
-    options.update(_options(args.engine_option))
+    options.update(key_values(args.engine_option))
     if minicpmo:  # the benchmark setting is MiniCPM-o's; Piper (CPU profile) speaks the text
         options["benchmark"] = {"random_weights": args.checkpoint is None,
                                 "tts_tokenizer": str(args.tts_tokenizer),
@@ -141,7 +143,7 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
               "queue for a slot; --engine-option max_slots=N measures the engine that the engine benchmark "
               "builds", file=sys.stderr, flush=True)
     size_for_streams(config, top, args.cpus)
-    overrides = _options(args.deployment_option)
+    overrides = key_values(args.deployment_option)
     for deployment in app.get("deployments", []):
         if deployment["name"] == "Synthesizer":
             deployment.pop("autoscaling_config", None)
