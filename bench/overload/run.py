@@ -1,6 +1,6 @@
 """Overload, served: goodput against offered load, admission by work beside admission by slots.
 
-    scripts/bench_overload --out docs/benchmarks/overload-h100.json      # a GPU: serve_config.yaml
+    scripts/bench_overload --out docs/benchmarks/overload-h200.json      # a GPU: serve_config.yaml
     scripts/bench_overload --config serve_config.cpu.yaml --capacity-read 4 \\
         --mixes read --out docs/benchmarks/overload-cpu.json            # the CPU profile
 
