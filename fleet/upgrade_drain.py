@@ -175,7 +175,8 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     requester = asyncio.create_task(keep_requesting())
     # New requests on the old version first.
     await asyncio.sleep(args.interval_s if args.before_deploy_s is None else args.before_deploy_s)
-    sample_states(states, clock(), old_replicas)  # the capacity before
+    before, _ = sample_states([], clock(), old_replicas)
+    record["serving_before_deploy"] = before.get("RUNNING", 0)  # the capacity before
     record["deploy_t_s"] = clock()
     record["in_flight_at_deploy"] = sum(not t.done() for t in long_streams)
     record["deploy_output"] = await asyncio.to_thread(
@@ -209,14 +210,14 @@ def sample_states(states: list[dict[str, Any]], t_s: float, old_replicas: set[st
     return state, now
 
 
-def capacity(states: list[dict[str, Any]], slots_per_replica: int) -> dict[str, Any]:
-    """Replicas taking new streams (RUNNING; a STOPPING one only finishes its own) before the
-    deploy (the first sample, on the deploy's clock), the fewest while it rolled out, and
-    after (the last), and the streams they hold at ``slots_per_replica`` each."""
+def capacity(before: int | None, states: list[dict[str, Any]], slots_per_replica: int
+             ) -> dict[str, Any]:
+    """Replicas taking new streams (RUNNING; a STOPPING one only finishes its own): ``before``
+    the deploy, the fewest in ``states`` (sampled from the deploy until the rollout was over)
+    and after (the last), and the streams they hold at ``slots_per_replica`` each."""
     serving = [(state["t_s"], state["states"].get("RUNNING", 0)) for state in states]
-    before = [n for t, n in serving if t < 0]
-    during = [n for t, n in serving if t >= 0]
-    result = {"replicas_before": before[-1] if before else None,
+    during = [n for _, n in serving]
+    result = {"replicas_before": before,
               "replicas_during_min": min(during, default=None),
               "replicas_after": during[-1] if during else None,
               "slots_per_replica": slots_per_replica,
@@ -288,7 +289,8 @@ def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]
         "errors": sorted({r["error"] or r["outcome"] for r in dropped + failed})[:10],
         "deploy_returned_s": round(record["deploy_returned_t_s"] - deploy_t, 1),
         "replica_states": fold_states(record["replica_states"], deploy_t),
-        "capacity": capacity(fold_states(record["replica_states"], deploy_t),
+        "capacity": capacity(record["serving_before_deploy"],
+                             fold_states(record["replica_states"], deploy_t),
                              record["slots_per_replica"]),
         "streams": long_rows,
         "new_request_rows": new_rows,

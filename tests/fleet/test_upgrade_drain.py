@@ -52,11 +52,10 @@ def test_a_rollout_drops_no_stream_and_fails_no_request(tmp_path: Path) -> None:
 def test_capacity_through_a_rollout_counts_the_replicas_taking_new_streams() -> None:
     from fleet.upgrade_drain import capacity
 
-    states = [{"t_s": -1.0, "states": {"RUNNING": 2}},
-              {"t_s": 0.5, "states": {"RUNNING": 1, "STOPPING": 1, "STARTING": 1}},
+    states = [{"t_s": 0.0, "states": {"RUNNING": 1, "STOPPING": 1, "STARTING": 1}},
               {"t_s": 40.0, "states": {"RUNNING": 2, "STOPPING": 1}},
               {"t_s": 90.0, "states": {"RUNNING": 2}}]
-    held = capacity(states, slots_per_replica=4)
+    held = capacity(2, states, slots_per_replica=4)
     assert (held["replicas_before"], held["replicas_during_min"], held["replicas_after"]) == (
         2, 1, 2)
     assert (held["streams_before"], held["streams_during_min"], held["streams_after"]) == (
