@@ -234,11 +234,13 @@ async def measure_level(engine: MiniCPMOEngine, planned: list[tuple[SpeechReques
     }
     if profiled is not None:
         summary["kernel_profile"] = await profiled
-    summary["ok"] = bool(realtime_share >= 0.99 and (summary["ttfb_ms_p99"] or 1e9) <= 500)
-    if mode == "mixed":
+    if mode == "mixed":  # each kind holds on its own
         summary["by_kind"] = by_kind(planned, results)
-        summary["ok"] = all(kind["realtime_share"] >= 0.99 and (kind["ttfb_ms_p99"] or 1e9) <= 500
-                            for kind in summary["by_kind"].values())
+        held = [(kind["realtime_share"], kind["ttfb_ms_p99"])
+                for kind in summary["by_kind"].values()]
+    else:
+        held = [(realtime_share, summary["ttfb_ms_p99"])]
+    summary["ok"] = all(share >= 0.99 and (p99 or 1e9) <= 500 for share, p99 in held)
     summary["sample_request"] = results[0]
     print(json.dumps({k: v for k, v in summary.items() if k != "sample_request"}), flush=True)
     return summary

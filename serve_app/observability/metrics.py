@@ -168,7 +168,8 @@ class SynthesizerMetrics:
                                    "admitted (outcome=admitted) or refused with a 503, by "
                                    "reason: work (real-time budget full), wait (could not "
                                    "start in time), queue (queue full), behind (a listener "
-                                   "ran dry lately: the engine catches up first)",
+                                   "ran dry lately: the engine catches up first), slots (no "
+                                   "slot free)",
                                    tag_keys=("outcome", "reason"))
         self._ran_dry = Counter(ENGINE_RAN_DRY_TOTAL, description="Audio chunks the engine "
                                 "sent after their listener had played all it had (a stream "

@@ -209,7 +209,8 @@ class Scheduler:
         """Queued streams whose first audio can no longer come in time (admission by work):
         out of the queue, their work released; the caller refuses them."""
         with self.lock:
-            if not self.pending or now - self.pending[0].submitted_at <= self.work.shortest_wait_s():
+            oldest = self.pending[0].submitted_at if self.pending else now
+            if now - oldest <= self.work.shortest_wait_s():
                 return []  # the oldest has not waited past any allowance: none has
             # a streamed-text session's stream keeps its place (admitted at session.start)
             late = [gone and s.fed_text is None for s, gone in zip(self.pending, self.work.expired(
@@ -303,18 +304,18 @@ class Scheduler:
                 heapq.heappush(self._free_llm_slots, stream.llm_slot)
         stream.slot = stream.llm_slot = -1
 
-    def count(self, completed: int = 0, failed: int = 0, llm_steps: int = 0,
-              ran_dry: int = 0) -> None:
+    def count(self, completed: int = 0, failed: int = 0, llm_steps: int = 0) -> None:
         with self.lock:
-            self._stats.ran_dry_chunks += ran_dry
             self._stats.completed += completed
             self._stats.failed += failed
             self._stats.llm_steps += llm_steps
 
-    def count_step_time(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+    def count_step_time(self, seconds: float, cpu_seconds: float = 0.0, ran_dry: int = 0) -> None:
+        """A step ended: its time, and its chunks that came after their listener ran out."""
         with self.lock:
             self._stats.step_seconds += seconds
             self._stats.step_cpu_seconds += cpu_seconds
+            self._stats.ran_dry_chunks += ran_dry
 
     def count_step(self, batch_size: int) -> None:
         with self.lock:

@@ -148,10 +148,9 @@ class StepLoop:
             self.record.finish(self.phases.take_step())
             self.endings.outbox.deliver()
             step_s = time.perf_counter() - started_s
-            self.scheduler.count_step_time(step_s, time.thread_time() - cpu_started_s)
-            self.admission.audio_cuts.observe(step_s)
             ran_dry = self.endings.outbox.take_ran_dry()
-            self.scheduler.count(ran_dry=ran_dry)
+            self.scheduler.count_step_time(step_s, time.thread_time() - cpu_started_s, ran_dry)
+            self.admission.audio_cuts.observe(step_s)
             # the step's load against what ran in it (the streams open when it began)
             self.scheduler.work.observe_step(open_by_kind, step_s / self.step_budget_s, step_s,
                                              ran_dry, self.admission.audio_cuts.uncut_thin)
