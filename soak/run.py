@@ -108,7 +108,7 @@ def is_refusal(response: httpx.Response) -> bool:
 
 
 def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnect: bool,
-               text_override: str | None = None, burst: bool = False) -> None:
+               text_override: str | None = None, burst: bool = False) -> bool:
     path, body, audio_format = speech_request(rng)
     if text_override is not None:
         body = {"text": text_override, "format": "pcm"}
@@ -132,7 +132,7 @@ def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnec
                     time.sleep(min(float(response.headers["retry-after"] or 1), 5.0))
                 if not response.headers.get("content-type", "").startswith("application/json"):
                     tally.add("non_json_errors")
-                return
+                return refused
             tally.status(200)
             accepted = True
             tally.add("accepted")
@@ -145,15 +145,15 @@ def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnec
                 data += piece
                 if disconnect:
                     tally.add("client_disconnects")
-                    return
+                    return False
     except httpx.TimeoutException:
         tally.add("lost" if accepted else "timeouts_before_headers")
         with tally.lock:
             tally.lost_examples.append({"path": path, "at_s": round(tally.now(), 1)})
-        return
+        return False
     except httpx.HTTPError:
         tally.add("errored" if accepted else "connection_errors")
-        return
+        return False
     if valid_audio(data, audio_format):
         tally.add("completed")
         with tally.lock:
@@ -165,6 +165,7 @@ def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnec
         with tally.lock:
             tally.lost_examples.append({"path": path, "format": audio_format,
                                         "bytes": len(data), "at_s": round(tally.now(), 1)})
+    return False
 
 
 def one_bad(client: httpx.Client, tally: Tally, rng: random.Random) -> None:
@@ -246,6 +247,9 @@ def burster(base_url: str, deadline_s: float, tally: Tally, every_s: float, size
         thread.join(2 * READ_TIMEOUT_S)
 
 
+CRASH_ATTEMPTS = 10  # the crash request, refused for load, is sent again this many times at most
+
+
 def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
     time.sleep(max(0.0, crash_at_s - tally.now()))
     with tally.lock:
@@ -253,8 +257,12 @@ def crasher(base_url: str, crash_at_s: float, tally: Tally) -> None:
     timeout = httpx.Timeout(10.0, read=READ_TIMEOUT_S)
     with httpx.Client(base_url=base_url, timeout=timeout,
                       headers={"authorization": f"Bearer {API_KEY}"}) as client:
-        one_speech(client, tally, random.Random(0), disconnect=False,
-                   text_override=f"{CRASH_TEXT} " + " ".join(SENTENCES))
+        # refused for load, it is sent again after its Retry-After (one_speech waits), as a
+        # client would: the crash must reach a replica
+        for _ in range(CRASH_ATTEMPTS):
+            if not one_speech(client, tally, random.Random(0), disconnect=False,
+                              text_override=f"{CRASH_TEXT} " + " ".join(SENTENCES)):
+                break
 
 
 def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: float | None,
