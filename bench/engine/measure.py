@@ -19,6 +19,7 @@ import torch
 from bench.engine.arrivals import arrival_delays, make_request, voice_id
 from bench.engine.report import (
     SAMPLE_RATE,
+    first_dry_at,
     longest_stall_s,
     percentile,
     slow_step,
@@ -76,6 +77,8 @@ async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float
             # the same, with each chunk timed as the engine handed it out
             "sent_ttfb_ms": (sent[0][0] - submitted) * 1000 if sent else None,
             "sent_realtime": stream_is_realtime(sent), "sent_stall_ms": longest_stall_s(sent) * 1000,
+            # when it was submitted and first ran dry (perf_counter): a late stream's moment
+            "submitted_s": submitted, "dry_at_s": first_dry_at(arrivals),
             "chunk_times_ms": [round((t - submitted) * 1000, 1) for t, _ in arrivals]}
 
 
@@ -136,6 +139,16 @@ async def run_mixed_level(engine: MiniCPMOEngine, read: int, chat: int,
     return await measure_level(engine, planned, {"mode": "mixed", "arrival": "poisson",
                                                  "concurrency": read + chat, "read": read,
                                                  "chat": chat}, args)
+
+
+def late_streams(planned: list[tuple[SpeechRequest, float]], results: list[dict],
+                 started: float) -> list[dict]:
+    """The streams that ran dry: their kind, and when (seconds into the level) each was
+    submitted and first ran dry; the first 40 by submission."""
+    late = sorted((r["submitted_s"], r["dry_at_s"], request.mode)
+                  for (request, _), r in zip(planned, results) if r["dry_at_s"] is not None)
+    return [{"kind": kind, "submitted_s": round(at - started, 3), "dry_s": round(dry - started, 3)}
+            for at, dry, kind in late[:40]]
 
 
 def by_kind(planned: list[tuple[SpeechRequest, float]], results: list[dict]) -> dict:
@@ -217,7 +230,12 @@ async def measure_level(engine: MiniCPMOEngine, planned: list[tuple[SpeechReques
         # Each phase's share of the tail: its time per step, mean, median and 99th percentile
         # (host time; device time too with --profile-phases).
         "step_phase_ms": step_phase_percentiles(steps_run),
-        "slowest_steps": [slow_step(r) for r in sorted(steps_run, key=lambda r: -r.seconds)[:8]],
+        "slowest_steps": [slow_step(r, started)
+                          for r in sorted(steps_run, key=lambda r: -r.seconds)[:8]],
+        # The late streams (at most 40, by arrival): seconds into the level when each was
+        # submitted and when it first ran dry; late streams drying at one moment point at a stall
+        # there, drying at their own pace at a load the engine could not carry
+        "late_streams": late_streams(planned, results, started),
         "audio_seconds_per_second": sum(r["audio_s"] for r in results) / wall,
         "wall_s": wall, "engine_steps": steps, "ms_per_step": wall * 1000 / max(steps, 1),
         # Time inside steps only (idle waits between arrivals left out): the figure

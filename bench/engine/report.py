@@ -38,9 +38,25 @@ def longest_stall_s(arrivals: list[tuple[float, int]]) -> float:
     return worst
 
 
-def slow_step(record) -> dict:
-    """One step of the step log, for the JSON: its time, streams, phases and device work."""
-    return {"ms": round(record.seconds * 1000, 1), "generating": record.generating,
+def first_dry_at(arrivals: list[tuple[float, int]]) -> float | None:
+    """When a player starting at the first byte first ran dry (the arrival time of the first
+    chunk that came after the audio before it had played out); None if it never did."""
+    if not arrivals:
+        return None
+    start = arrivals[0][0]
+    buffered_s = 0.0
+    for at, samples in arrivals:
+        if at - start - buffered_s > 1e-3:
+            return at
+        buffered_s += samples / SAMPLE_RATE
+    return None
+
+
+def slow_step(record, level_start_s: float = 0.0) -> dict:
+    """One step of the step log, for the JSON: when it began (seconds into the level), its time,
+    streams, phases and device work."""
+    return {"at_s": round(record.started_s - level_start_s, 3),
+            "ms": round(record.seconds * 1000, 1), "generating": record.generating,
             "admitted": len(record.queue_waits_s), "gc_ms": round(record.gc_s * 1000, 1),
             "phase_ms": {name: round(s * 1000, 1) for name, s in record.phases_s},
             "work": dict(record.work)}

@@ -34,6 +34,10 @@ def test_a_mixed_level_runs_read_and_chat_streams_together_and_counts_each(
         assert level["by_kind"]["read"]["streams"] == max(2 * level["read"], 4)
         assert level["by_kind"]["chat"]["streams"] == max(2 * level["chat"], 4)
         assert level["requests"] == sum(kind["streams"] for kind in level["by_kind"].values())
+        # each late stream says when it arrived and first ran dry, within the level
+        for late in level["late_streams"]:
+            assert late["kind"] in ("read", "chat")
+            assert 0 <= late["submitted_s"] < late["dry_s"] <= level["wall_s"] + 1
         assert level["ok"] == all(kind["realtime_share"] >= 0.99 and kind["ttfb_ms_p99"] <= 500
                                   for kind in level["by_kind"].values())
     held = [level for level in levels if level["ok"]]

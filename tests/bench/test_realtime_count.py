@@ -1,7 +1,13 @@
 """How the engine benchmark (bench/engine/report.py) counts real-time streams: a level counts only when every arrival
 measured at it was real-time (a burst that passes does not make up for a Poisson run that fails)."""
 
-from bench.engine.report import SAMPLE_RATE, longest_stall_s, realtime_streams, stream_is_realtime
+from bench.engine.report import (
+    SAMPLE_RATE,
+    first_dry_at,
+    longest_stall_s,
+    realtime_streams,
+    stream_is_realtime,
+)
 
 
 def _row(concurrency: int, arrival: str, ok: bool) -> dict:
@@ -30,6 +36,9 @@ def test_a_stream_stalls_when_a_chunk_comes_after_the_audio_it_holds_has_played(
     # played out at 10.5 (0.2 s late), then at 11.5 (0.3 s late): the worst stall is 0.3 s
     assert abs(longest_stall_s(late) - 0.3) < 1e-9 and not stream_is_realtime(late)
     assert longest_stall_s([]) == 0.0 and not stream_is_realtime([])
+    # the moment it first ran dry: the chunk at 10.7 came after 0.5 s of audio had played
+    assert first_dry_at(late) == 10.7
+    assert first_dry_at(on_time) is None and first_dry_at([]) is None
 
 
 def test_merging_runs_of_one_mode_keeps_the_measured_single_stream_and_the_highest_count():
@@ -60,8 +69,8 @@ def test_step_phases_are_summarised_per_phase_over_the_steps():
     assert set(phases) == {"tts_step", "decode_emit", "admit_prefill"}
     assert phases["admit_prefill"]["mean"] == 10.0 and phases["tts_step"]["mean"] == 9.0
     assert phases["tts_step"]["p50"] == 9.0
-    slow = slow_step(records[1])
-    assert slow == {"ms": 30.0, "generating": 4, "admitted": 1, "gc_ms": 1.0,
+    slow = slow_step(records[1], level_start_s=0.05)
+    assert slow == {"at_s": 0.05, "ms": 30.0, "generating": 4, "admitted": 1, "gc_ms": 1.0,
                     "phase_ms": {"tts_step": 10.0, "admit_prefill": 20.0},
                     "work": {"llm_prefill_passes": 1}}
 
