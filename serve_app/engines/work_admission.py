@@ -39,10 +39,11 @@ than that time's admissions refuses at once.
 still let a listener's audio run out (a stream *ran dry*: its next audio came after it had
 played all it had). With ``behind_hold_s`` set, a step where any stream ran dry stops
 admission for that long: new streams are refused (reason ``behind``) and queued ones wait
-for a slot, so the engine catches up on what it holds instead of taking more. And a step whose
-listeners ran thin faster than it could cut their audio (``audio_cuts: on_demand``) starts no
-queued stream at the next: a ramp of new streams, each thin after its first chunk, paces
-itself to what the engine can keep fed. The model's projection alone cannot see what the
+for a slot, so the engine catches up on what it holds instead of taking more; a queued one
+whose wait would outlast its allowance (Waiting) is refused at the next step, not once the
+allowance has run out. And a step whose listeners ran thin faster than it could cut their
+audio (``audio_cuts: on_demand``) starts no queued stream at the next: a ramp of new streams,
+each thin after its first chunk, paces itself to what the engine can keep fed. The model's projection alone cannot see what the
 engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
@@ -259,11 +260,13 @@ class WorkAdmission:
             return self._committed.copy()
 
     def shortest_wait_s(self) -> float:
-        """The shortest a queued stream of any kind may wait (inf admitting by slots)."""
+        """The shortest a queued stream of any kind may still wait, the hold left (Behind)
+        counted as waited (inf admitting by slots)."""
         if not self.by_work:
             return math.inf
         with self._lock:
-            return min(self._wait_allowance_s(False), self._wait_allowance_s(True))
+            return (min(self._wait_allowance_s(False), self._wait_allowance_s(True))
+                    - self._hold_left_s())
 
     def holding(self) -> bool:
         """Whether queued streams wait for their slots (Behind): a stream ran dry lately, or
@@ -296,12 +299,15 @@ class WorkAdmission:
 
     def expired(self, waits: Iterable[tuple[float, bool]]) -> list[bool]:
         """Which waiting streams can no longer have their first audio in time (``work`` mode
-        only): (seconds waited so far, chat or not) of each, in order."""
+        only): (seconds waited so far, chat or not) of each, in order. A hold (Behind) starts
+        no queued stream before it ends: a stream whose allowance ends first is refused now,
+        not when its allowance runs out (a refusal is quick, or it is not one)."""
         if not self.by_work:
             return [False for _ in waits]
         with self._lock:
             allowance = [self._wait_allowance_s(False), self._wait_allowance_s(True)]
-        return [waited > allowance[chat] for waited, chat in waits]
+            hold_s = self._hold_left_s()
+        return [waited + hold_s > allowance[chat] for waited, chat in waits]
 
     def refuse_waiting(self, work: StreamWork) -> EngineOverloadedError:
         """A waiting stream is refused: its work leaves, and the refusal is counted."""
@@ -314,6 +320,10 @@ class WorkAdmission:
 
     def _behind(self) -> bool:
         return self.by_work and time.monotonic() < self._behind_until
+
+    def _hold_left_s(self) -> float:
+        """How long the hold (Behind) still stops queued streams from starting."""
+        return max(self._behind_until - time.monotonic(), 0.0) if self.by_work else 0.0
 
     def _wait_allowance_s(self, chat: bool) -> float:
         """How long a queued stream may wait for its slot: what its deadline leaves after its

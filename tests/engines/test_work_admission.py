@@ -183,7 +183,13 @@ def test_a_stream_running_dry_holds_admission_until_the_engine_catches_up():
         admission.take([READ])
     assert refused.value.reason == "behind"
     assert admission.snapshot()["refused_behind"] == 1
+    # a queued stream waits for no hold it cannot outlast: refused at the next step, as soon
+    # as the hold begins, not once its allowance has run out (0.3 s of hold > two 50 ms steps)
+    admission.observe_first_audio(0.45)
+    assert admission.expired([(0.0, False)]) == [True]
+    assert admission.shortest_wait_s() < 0
     time.sleep(0.4)  # the hold is over with no dry step since
+    assert admission.expired([(0.0, False)]) == [False]
     assert not admission.holding()
     admission.take([READ])
 
