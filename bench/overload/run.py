@@ -20,22 +20,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.overload.client import offer
-from bench.overload.levels import LEVELS_X, MIXES, arrivals, level_schedules, summarize
+from bench.overload.levels import (
+    LEVELS_X,
+    MIXES,
+    StreamFate,
+    arrivals,
+    level_schedules,
+    summarize,
+)
 from bench.served.config import bench_config
 from bench.served.config import parse_args as serve_args
+from bench.served.measure import read_from
 from bench.served.report import git_commit, gpu_name
+from bench.served.served_logs import percentile, ttfb_breakdown
 from harness.service import ROOT, start_service, stop_service
 
 # Per mix, the bars the acceptance names (at 2x and 3x, against the same rule's 1x).
 GOODPUT_SHARE = 0.9
 REALTIME_SHARE = 0.99
 REFUSAL_P99_MS = 100.0
+# The Ingress's line for each request (serve_app/front/guard.py): its id and time with it.
+REQUEST_DURATION = re.compile(r"request id=(\S+) .*?duration_ms=([\d.]+)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,13 +104,37 @@ def service_config(args: argparse.Namespace, admission: str) -> dict[str, Any]:
 def run_levels(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
     levels = []
     for mix, capacity, offered_x, schedule in level_schedules(args):
+        log_offset = args.log.stat().st_size if args.log.exists() else 0
         fates = offer(base_url, schedule, args.processes)
         level = summarize(fates, mix, offered_x, args.window_s)
         level["capacity"] = capacity
+        # where the admitted streams' first audio went: client, ingress, replica and engine,
+        # from the service's log lines of the level (bench_serve's breakdown)
+        log_text = read_from(args.log, log_offset)
+        level["ttfb_breakdown"] = ttfb_breakdown(
+            log_text, [{"ok": fate.admitted, "ttfb_s": fate.first_audio_s,
+                        "request_id": fate.request_id} for fate in fates])
+        level["refusal_breakdown"] = refusal_breakdown(log_text, fates)
         print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
         levels.append(level)
         time.sleep(2.0)  # the last streams' slots and work are given back
     return levels
+
+
+def refusal_breakdown(log_text: str, fates: list[StreamFate]) -> dict[str, Any] | None:
+    """Where the refusals' time went: p50 / p99 of the client's wait for its answer, of the
+    Ingress replica's time with the request (its log line's duration_ms, by request id) and of
+    the rest (the client, HAProxy and the connection)."""
+    inside = {m[1]: float(m[2]) for m in REQUEST_DURATION.finditer(log_text)}
+    joined = [(fate.answered_s * 1000, inside[fate.request_id]) for fate in fates
+              if fate.refused and fate.answered_s is not None and fate.request_id in inside]
+    if not joined:
+        return None
+    parts = {"client_ms": [c for c, _ in joined], "ingress_ms": [i for _, i in joined],
+             "outside_ingress_ms": [c - i for c, i in joined]}
+    return {"refusals": len(joined), **{name: {"p50": percentile(values, 50),
+                                               "p99": percentile(values, 99)}
+                                        for name, values in parts.items()}}
 
 
 def run_sessions(args: argparse.Namespace, base_url: str) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
                                    args.audio_seconds, voices=voices, csv=True, route=route)
     wall = time.monotonic() - started
     cpu = meter.percent()
-    level_log = _read_from(args.log, log_offset)
+    level_log = read_from(args.log, log_offset)
     ok = [r for r in rows if r["ok"]]
     ttfbs = [r["ttfb_s"] * 1000 for r in ok if r["ttfb_s"] is not None]
     gaps = [r["longest_gap_s"] * 1000 for r in ok if r.get("longest_gap_s")]
@@ -222,7 +222,7 @@ def _auth_headers() -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
-def _read_from(path: Path, offset: int) -> str:
+def read_from(path: Path, offset: int) -> str:
     """What the service logged since ``offset`` (its lines reach the log a little late, so it
     waits 2 s first); nothing, at once, when there is no log (a service this run did not start,
     ``--reuse``, that logs elsewhere)."""

@@ -63,3 +63,23 @@ def test_the_acceptance_holds_each_mix_to_its_own_1x_and_to_slot_admission():
     assert result["chat"]["1x_vs_slots"] == pytest.approx(20 / 21)
     assert not result["read"]["3x"]["refusals_ok"]  # one refusal without Retry-After
     assert result["read"]["1x_vs_slots"] == pytest.approx(100 / 120)
+
+
+def test_a_refusals_time_is_split_at_the_ingress_by_its_log_line():
+    """bench/overload/run.py: the client's wait for a refusal, the Ingress's share of it (its
+    request line's duration_ms, by request id) and the rest; admitted streams are left out."""
+    from bench.overload.run import refusal_breakdown
+
+    log = ("request id=a method=POST path=/v1/speak status=503 outcome=rejected "
+           "code=overloaded duration_ms=4.0\n"
+           "request id=b method=POST path=/v1/speak status=503 outcome=rejected duration_ms=90.0\n"
+           "request id=c method=POST path=/v1/speak status=200 outcome=ok duration_ms=9000.0\n")
+    refused = [StreamFate(kind="read", at_s=0.0, status=503, answered_s=seconds, request_id=rid)
+               for rid, seconds in (("a", 0.010), ("b", 0.100))]
+    admitted = StreamFate(kind="read", at_s=0.0, status=200, answered_s=0.2, request_id="c")
+    admitted.audio(0.3, 1.0)
+    split = refusal_breakdown(log, refused + [admitted])
+    assert split["refusals"] == 2
+    assert split["ingress_ms"]["p50"] == 47.0
+    assert split["outside_ingress_ms"]["p50"] == 8.0  # (6 + 10) / 2
+    assert refusal_breakdown("", refused) is None
