@@ -18,6 +18,10 @@ from serve_app.engines.text_rule import MAX_TEXT_CHARS
 # On a multi-node cluster point api.voice_store at a shared filesystem (NFS, EFS) mounted at the
 # same path on every node, so every Ingress and Synthesizer replica sees every voice.
 DEFAULT_VOICE_STORE = "~/.local/share/serve_app/voices"
+# Admitting by work, the Synthesizer takes this many times the streams its engine can hold: the
+# rest are requests on their way to a refusal (milliseconds each), which Serve must not hold
+# back at the caller behind streams that last seconds (AppArgs.max_ongoing_requests).
+REFUSALS_IN_FLIGHT = 2
 
 
 class BatchingConfig(BaseModel):
@@ -163,12 +167,16 @@ class AppArgs(BaseModel):
     @property
     def max_ongoing_requests(self) -> int:
         """The Synthesizer's ``max_ongoing_requests``: admitting by work, every stream the
-        engine can hold (slots and queue), so that what it cannot serve in real time reaches it
-        and is refused at once, not queued by Serve at the caller (where it would wait for a
-        stream to end before its refusal); admitting by slots, its slots (more would only wait
-        in its queue)."""
+        engine can hold (slots and queue) and as many again on their way to a refusal, so that
+        what it cannot serve in real time reaches it and is refused at once, not queued by
+        Serve at the caller (where it would wait for a stream to end before its refusal: with
+        room for the held streams only, a replica holding them made a burst at 3x wait 1.4 s,
+        p99, for its refusals, read on an H200); admitting by slots, its slots (more would only
+        wait in its queue)."""
         options = self.engine_options
-        return options.max_held if options.admission == "work" else options.max_slots
+        if options.admission == "work":
+            return REFUSALS_IN_FLIGHT * options.max_held
+        return options.max_slots
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The engine's options as the plain mapping its factory takes (the Synthesizer's)."""

@@ -51,12 +51,13 @@ def _synthesizer(app):
 
 
 @pytest.mark.parametrize(("args", "ongoing"), [
-    # admitting by work: every stream the engine holds (slots and queue), so the engine
-    # refuses at once what it cannot serve in real time, not Serve's queue at the caller
+    # admitting by work: every stream the engine holds (slots and queue) and as many again on
+    # their way to a refusal, so the engine refuses at once what it cannot serve in real time,
+    # not Serve's queue at the caller
     ({"engine": "minicpmo", "engine_options": {"max_slots": 12, "max_chat_slots": 4,
-                                                "max_queued": 20}}, 32),
-    ({"engine": "piper", "engine_options": {"max_batch_size": 3}}, 3 + 256),
-    ({}, PiperOptions.max_batch_size + PiperOptions.max_queued_streams),
+                                                "max_queued": 20}}, 2 * 32),
+    ({"engine": "piper", "engine_options": {"max_batch_size": 3}}, 2 * (3 + 256)),
+    ({}, 2 * (PiperOptions.max_batch_size + PiperOptions.max_queued_streams)),
     # admitting by slots: as many as its slots (more would only wait in its queue)
     ({"engine": "minicpmo", "engine_options": {"max_slots": 12, "max_chat_slots": 4,
                                                 "admission": "slots"}}, 12),
