@@ -33,7 +33,9 @@ waiting seconds.
 **Waiting**: a stream that cannot take a slot now may wait in the engine's queue only as long as
 its first audio can still come within ``first_audio_deadline_s``; past that it is refused
 (reason ``wait``), still before any work on it. At submission, a queue that already holds more
-than that time's admissions refuses at once.
+than that time's admissions refuses at once (reason ``queue``), at the pace it has been
+starting streams while it held more (holds and prefill budgets included), not the most a step
+may start: a queue that starts fewer would refuse them late.
 
 **Behind**: the model projects a steady step; a burst of admissions, a slower mix or a pause can
 still let a listener's audio run out (a stream *ran dry*: its next audio came after it had
@@ -82,6 +84,8 @@ WINDOW_STEPS = 1000
 # No measured cost falls below this share of its prior (a fit at light load sees a flat step).
 COST_FLOOR_SHARE = 0.25
 PRIOR_INTERCEPT_SHARE = 0.1  # of the limit: the step's cost with no stream
+# The queue's measured pace (streams started a step) is taken as at least this (Waiting).
+DRAIN_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,8 @@ class WorkAdmission:
         self.behind_hold_s = behind_hold_s
         self._behind_until = 0.0  # time.monotonic() until which admission holds (Behind)
         self._thin = False  # the last step left thin listeners uncut (Behind)
+        # streams the queue started per step while it held more (EWMA; 0: not seen yet)
+        self._drain_per_step = 0.0
         self.counters = AdmissionCounters()
 
     @property
@@ -219,7 +225,8 @@ class WorkAdmission:
                     raise EngineOverloadedError(
                         "the engine is catching up on the streams it holds", "behind")
                 if admissions_per_step and queued_ahead:
-                    wait_s = math.ceil((queued_ahead + 1) / admissions_per_step) * self._step_s
+                    per_step = min(admissions_per_step, self._drain_per_step or admissions_per_step)
+                    wait_s = math.ceil((queued_ahead + 1) / per_step) * self._step_s
                     if wait_s > max(self._wait_allowance_s(w.chat) for w in works):
                         self._refuse("queue", added)
                         raise EngineOverloadedError("the engine's queue would start it too late", "queue")
@@ -289,6 +296,18 @@ class WorkAdmission:
                 self.measured_load = 0.8 * self.measured_load + 0.2 * load
             else:
                 self.measured_load = 0.0
+
+    def observe_queue(self, started: int, queued: int, most: int) -> None:
+        """A step began with ``queued`` streams waiting and started ``started`` of them (0 on a
+        step that held them), ``most`` at most. The pace at which the queue starts streams,
+        holds and prefill budgets included, is what a new stream's wait is projected at: a
+        queue that empties says only that it could start ``most``."""
+        if queued <= 0:
+            return
+        sample = float(started if started < queued else most)
+        with self._lock:
+            self._drain_per_step = max(DRAIN_FLOOR, sample if not self._drain_per_step
+                                       else 0.8 * self._drain_per_step + 0.2 * sample)
 
     def observe_first_audio(self, after_admission_s: float, chat: bool = False) -> None:
         """A stream's first audio came ``after_admission_s`` after it got its slot."""

@@ -217,3 +217,24 @@ def test_without_a_hold_or_admitting_by_slots_a_dry_stream_changes_nothing():
 def test_the_reason_survives_the_hop_between_processes():
     error = pickle.loads(pickle.dumps(EngineOverloadedError("budget full", "work")))
     assert (error.reason, error.message) == ("work", "budget full")
+
+
+def test_the_queue_projects_a_new_streams_wait_at_the_pace_it_has_been_starting_streams():
+    """A queue held by pauses or a prefill budget starts fewer streams a step than the most it
+    may: a new stream's wait is projected at the pace measured while streams waited, so one it
+    would start too late is refused at submission (quick), not after its wait (slow)."""
+    admission = WorkAdmission("work", 0.0, 0.5, max_slots=1024, max_chat_slots=256)
+    admission.observe_first_audio(0.2)
+    admission.observe_step(np.zeros(4), 0.0, 0.05)  # 50 ms steps: 0.3 s allowance, 6 steps
+    admission.take([READ], queued_ahead=64, admissions_per_step=16)  # 5 steps at 16 a step
+    # steps that started 2 of the streams waiting, then one that held them all
+    for started in (2, 2, 2, 2, 0, 2, 2, 2, 2, 2):
+        admission.observe_queue(started, queued=40, most=16)
+    with pytest.raises(EngineOverloadedError) as refused:
+        admission.take([READ], queued_ahead=64, admissions_per_step=16)
+    assert refused.value.reason == "queue"
+    admission.take([READ], queued_ahead=2, admissions_per_step=16)  # within two steps: taken
+    # a queue that empties says only that it could start the most: the pace recovers
+    for _ in range(30):
+        admission.observe_queue(5, queued=5, most=16)
+    admission.take([READ], queued_ahead=64, admissions_per_step=16)

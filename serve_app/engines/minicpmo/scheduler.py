@@ -253,11 +253,18 @@ class Scheduler:
         """Queued streams that get slots now, in order (a chat stream also needs an LLM slot);
         with ``fits``, only while it accepts the next stream (the step's prefill budget): the
         rest wait, in order, for the next step."""
-        if self.active and step % self._admission_interval:
-            return []  # batch admissions: one LLM prefill per few steps instead of one per step
-        if self.active and self.work.holding():
-            return []  # a listener ran dry lately: the engine catches up first (WorkAdmission)
         admitted: list[Stream] = []
+        queued = len(self.pending)
+        # batch admissions (one LLM prefill per few steps instead of one per step), or a
+        # listener ran dry lately (the engine catches up first: WorkAdmission)
+        waits = bool(self.active) and bool(step % self._admission_interval or self.work.holding())
+        if not waits:
+            self._start_queued(admitted, fits)
+        self.work.observe_queue(len(admitted), queued, self._admissions_per_step)
+        return admitted
+
+    def _start_queued(self, admitted: list[Stream], fits: Callable[[Stream], bool] | None) -> None:
+        """Start queued streams into ``admitted`` while slots (and ``fits``) allow, in order."""
         with self.lock:
             while self.pending and self._free_slots:
                 stream = self.pending[0]
@@ -272,7 +279,6 @@ class Scheduler:
                 admitted.append(stream)
                 self.active[stream.request_id] = stream
                 self._running += stream.work.vector()
-        return admitted
 
     def admit_within(self, step: int, budget: PrefillBudget,
                      prompt_ids: Callable[[Stream], list[int]]) -> list[Stream]:
