@@ -1,5 +1,6 @@
 """A client's side of ``WS /v1/audio/speech/stream`` for the tests of the real app (synchronous
-``websockets``), and a streamed-input request opened on a Synthesizer replica through its handle.
+``websockets``), an app run beside the session's, and a streamed-input request opened on a
+Synthesizer replica through its handle.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from tests.serving.conftest import Server
+from tests.serving.conftest import Server, wait_ready
 
 ROUTE = "/v1/audio/speech/stream"
 RECEIVE_TIMEOUT_S = 120
@@ -54,6 +55,18 @@ def drain(socket: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
     except ConnectionClosed:
         pass
     return events, bytes(audio)
+
+
+def serve_beside(server: Server, ingress, name: str, prefix: str, what: str) -> Server:
+    """``ingress`` run as the app ``name`` under ``prefix``, beside the session's app, with its
+    keys: once it answers."""
+    from ray import serve
+
+    serve.run(ingress, name=name, route_prefix=prefix)
+    app = Server(base_url=f"{server.base_url}{prefix}", api_key=server.api_key,
+                 metrics_url=server.metrics_url, voice_store=server.voice_store)
+    wait_ready(app.base_url, what)
+    return app
 
 
 def open_streamed(handle, request_id: str):

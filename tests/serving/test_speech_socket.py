@@ -11,17 +11,9 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from tests.serving.conftest import Server, wait_ready
-from tests.serving.socket_session import (
-    RECEIVE_TIMEOUT_S,
-    ROUTE,
-    drain,
-    open_socket,
-    open_streamed,
-    receive_event,
-    send,
-    start,
-)
+from tests.serving.conftest import Server
+from tests.serving.socket_session import (RECEIVE_TIMEOUT_S, ROUTE, drain, open_socket,
+                                          open_streamed, receive_event, send, serve_beside, start)
 
 pytestmark = pytest.mark.slow
 
@@ -195,11 +187,7 @@ def two_replicas(server: Server) -> Server:
         "piper", {"intra_op_threads": 1, "max_batch_size": 4})
     ingress = Ingress.options(ray_actor_options={"num_cpus": 0.05}).bind(
         synthesizer, ApiConfig(api_key=server.api_key).model_dump())
-    serve.run(ingress, name=PINNED_APP, route_prefix=PINNED_PREFIX)
-    app = Server(base_url=f"{server.base_url}{PINNED_PREFIX}", api_key=server.api_key,
-                 metrics_url=server.metrics_url, voice_store=server.voice_store)
-    wait_ready(app.base_url, "the two-replica app")
-    yield app
+    yield serve_beside(server, ingress, PINNED_APP, PINNED_PREFIX, "the two-replica app")
     serve.delete(PINNED_APP)
 
 

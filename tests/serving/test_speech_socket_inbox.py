@@ -12,15 +12,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection
 
-from tests.serving.conftest import Server, wait_ready
-from tests.serving.socket_session import (
-    drain,
-    open_socket,
-    open_streamed,
-    receive_event,
-    send,
-    start,
-)
+from tests.serving.conftest import Server
+from tests.serving.socket_session import (drain, open_socket, open_streamed, receive_event, send,
+                                          serve_beside, start)
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +55,7 @@ def small_app(server: Server) -> Server:
     synthesizer = serve.get_deployment_handle("Synthesizer", app_name=SMALL_SYNTH_APP)
     ingress = Ingress.options(ray_actor_options={"num_cpus": 0.05}).bind(synthesizer,
                                                                          api.model_dump())
-    serve.run(ingress, name=SMALL_APP, route_prefix=SMALL_PREFIX)
-    app = Server(base_url=f"{server.base_url}{SMALL_PREFIX}", api_key=server.api_key,
-                 metrics_url=server.metrics_url, voice_store=server.voice_store)
-    wait_ready(app.base_url, "the small app")
-    yield app
+    yield serve_beside(server, ingress, SMALL_APP, SMALL_PREFIX, "the small app")
     serve.delete(SMALL_APP)
     serve.delete(SMALL_SYNTH_APP)
 
