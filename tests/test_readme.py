@@ -1,25 +1,23 @@
-"""The README's commands run as written on a fresh clone, and docs/benchmarks/ holds what its
-README says.
+"""The README's commands run as written on a fresh clone.
 
-Every line of the README's shell blocks must be one of: the two scripts (present and
-executable), ``curl`` against a route the app serves (``serve_app.front.ingress.api_app``) with the
-method it answers, ``.venv/bin/<entry point>`` of the project (``[project.scripts]``) or of one of
-its dependencies (Ray's ``serve``), ``.venv/bin/python <example>`` whose imports the installed
-set provides, or ``echo``. A file a command reads is in the repository or written by a line
-before it, and what a command saves goes into /tmp, never into the checkout (where git would
-list it). ``.venv/bin/...`` is what the set-up scripts make (``scripts/setup``); the packages an
-example imports must be in every lock ``scripts/serve`` may install (``requirements/``), those of
-the examples on a voice-agent framework (:data:`FRAMEWORK_EXAMPLES`) and of the README's Python
-block in the lock ``scripts/test`` installs. The cheap commands run
-(``--help``); the slow test runs the README's lines against the CPU profile as ``scripts/serve``
-serves it (the session's one, ``tests/cpu_profile.py``).
+Every line of the README's shell blocks must be one of: the two scripts (present and executable),
+``curl`` against a route the app serves (``serve_app.front.ingress.api_app``) with the method it
+answers, ``.venv/bin/<entry point>`` of the project (``[project.scripts]``) or of one of its
+dependencies (Ray's ``serve``), ``.venv/bin/python <example>`` whose imports (and those of the
+package beside it that it imports, ``examples/NAME/``) the installed set provides, or ``echo``. A
+file a command reads is in the repository or written by a line before it, and what a command saves
+goes into /tmp, never into the checkout (where git would list it). ``.venv/bin/...`` is what the
+set-up scripts make (``scripts/setup``); the packages an example imports must be in every lock
+``scripts/serve`` may install (``requirements/``), those of the examples on a voice-agent framework
+(:data:`FRAMEWORK_EXAMPLES`) and of the README's Python block in the lock ``scripts/test``
+installs. The cheap commands run (``--help``); the slow test runs the README's lines against the
+CPU profile as ``scripts/serve`` serves it (the session's one, ``tests/cpu_profile.py``).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
-import json
 import os
 import re
 import shlex
@@ -44,6 +42,9 @@ BUILTINS = {"echo"}
 # the test set, which scripts/test installs into .venv (the README says so), not with the
 # service's.
 FRAMEWORK_EXAMPLES = {"examples/pipecat_tts.py", "examples/livekit_tts.py"}
+# The packages beside the examples (examples/NAME/) that an example imports: their imports are
+# the example's.
+EXAMPLE_PACKAGES = {path.parent.name for path in (ROOT / "examples").glob("*/__init__.py")}
 
 
 def fenced_blocks(text: str, language: str) -> list[str]:
@@ -175,16 +176,21 @@ def locked(lock: Path) -> set[str]:
     return {normalized(name) for name in names}
 
 
-def third_party_imports(source: str) -> set[str]:
-    """Top-level modules ``source`` imports that are neither the standard library nor ours."""
+def top_level_imports(source: str) -> set[str]:
+    """The top-level modules ``source`` imports (relative imports aside)."""
     modules = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             modules.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             modules.add(node.module.split(".")[0])
-    ours = {"serve_app", "loadtest", "tests", "__future__"}
-    return {module for module in modules
+    return modules
+
+
+def third_party_imports(source: str) -> set[str]:
+    """Top-level modules ``source`` imports that are neither the standard library nor ours."""
+    ours = {"serve_app", "loadtest", "tests", "__future__", *EXAMPLE_PACKAGES}
+    return {module for module in top_level_imports(source)
             if module not in sys.stdlib_module_names and module not in ours}
 
 
@@ -193,6 +199,12 @@ def distributions_of(modules: set[str]) -> dict[str, set[str]]:
     provided = importlib.metadata.packages_distributions()
     return {module: {normalized(name) for name in provided.get(module, ())}
             for module in modules}
+
+
+def example_package_files(source: str) -> list[Path]:
+    """The modules of the example packages (:data:`EXAMPLE_PACKAGES`) ``source`` imports."""
+    return sorted(path for package in EXAMPLE_PACKAGES & top_level_imports(source)
+                  for path in (ROOT / "examples" / package).rglob("*.py"))
 
 
 def assert_imports_locked(source: str, what: str, locks: list[Path]) -> None:
@@ -259,6 +271,8 @@ def test_every_command_is_one_the_repository_provides():
                 source = (ROOT / script).read_text(encoding="utf-8")
                 locks = setup_locks("test" if script in FRAMEWORK_EXAMPLES else "serve")
                 assert_imports_locked(source, script, locks)
+                for path in example_package_files(source):
+                    assert_imports_locked(path.read_text(encoding="utf-8"), str(path), locks)
                 for url in urls(args):
                     parsed = urlparse(url)
                     assert parsed.netloc == SERVICE, where
@@ -383,49 +397,3 @@ def test_the_readme_runs_against_the_cpu_profile(cpu_service, tmp_path):
 
 def _has(python: Path, module: str) -> bool:
     return subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode == 0
-
-
-# ---- docs/benchmarks ------------------------------------------------------------------------
-
-BENCHMARKS = ROOT / "docs" / "benchmarks"
-NAMED_FILE = re.compile(r"`((?:docs/benchmarks/)?(?:history/)?[A-Za-z0-9_.-]+\.(?:json|png|log))`")
-
-
-def current_table() -> list[dict[str, str]]:
-    """The rows of the first table of docs/benchmarks/README.md."""
-    lines = (BENCHMARKS / "README.md").read_text(encoding="utf-8").splitlines()
-    start = next(index for index, line in enumerate(lines) if line.startswith("| "))
-    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("| "):
-            break
-        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
-        rows.append(dict(zip(header, cells)))
-    return rows
-
-
-def test_benchmarks_hold_the_current_results_at_fixed_names():
-    top = {path.name for path in BENCHMARKS.glob("*.json")}
-    # The current result of each benchmark; older runs, explorations and A/B pairs in history/.
-    assert len(top) <= 15, f"{len(top)} JSON files in docs/benchmarks/: move the older to history/"
-    rows = current_table()
-    assert [*rows[0]] == ["what", "command", "commit", "GPU", "file"]
-    in_table = {re.match(r"`([^`]+)`", row["file"]).group(1) for row in rows}
-    assert in_table == top, "the README's first table lists exactly the JSONs at the top"
-    for name in top:
-        json.loads((BENCHMARKS / name).read_text(encoding="utf-8"))
-
-
-def test_every_benchmark_file_the_docs_name_exists():
-    text = (BENCHMARKS / "README.md").read_text(encoding="utf-8")
-    missing = [name for name in NAMED_FILE.findall(text)
-               if not (BENCHMARKS / name.removeprefix("docs/benchmarks/")).is_file()]
-    assert not missing, f"docs/benchmarks/README.md names files that are not there: {missing}"
-    index = (BENCHMARKS / "history" / "README.md").read_text(encoding="utf-8")
-    listed = {name for name in re.findall(r"^\| `([^`]+)`", index, re.M)}
-    listed |= {name.rsplit(".", 1)[0] + ".png" for name in listed
-               if f"`{name}` (+ `.png`)" in index}
-    on_disk = {path.name for path in (BENCHMARKS / "history").iterdir() if path.name != "README.md"}
-    assert on_disk == listed, (f"history/README.md lists {sorted(listed - on_disk)} that are not "
-                               f"there and misses {sorted(on_disk - listed)}")

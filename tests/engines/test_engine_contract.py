@@ -2,7 +2,8 @@
 the tiny golden checkpoint (CPU, greedy) and Piper with its embedded voice. Real engines only.
 
 What each engine does with the text (golden parity, Piper's own synthesis, the way MiniCPM-o
-cuts text at a pause) stays in that engine's own tests; here is what every engine promises.
+cuts text at a pause) stays in that engine's own tests; here is what every engine promises (for
+streamed text in, test_engine_contract_text_input.py; what the two share, contract.py).
 
 Streams here are deterministic: MiniCPM-o decodes greedily and Piper's seeded requests have no
 noise, so the same request gives the same audio, alone or beside others. Random tiny weights
@@ -28,115 +29,14 @@ from serve_app.engines.base import (
     SpeechRequest,
     refuse_unsupported,
 )
-from serve_app.engines.registry import create_engine
-from serve_app.engines.streamed_text import MAX_CLAUSE_CHARS, clause_ends
-from tests.engines.minicpmo.tiny_engine import tiny_engine
-from tests.engines.streams import (
-    FEED_ERROR_CODES,
-    drain,
-    feed_error_codes,
-    finish_while_one_waits,
-)
+from tests.engines.contract import (FRAMES, SPEAKABLE_START, TWO_SENTENCES, Sink, assert_quiet,
+                                    audio, chunks_of, contract_engines, drain_guarded, first_chunk,
+                                    rid, spoken_alone, streamed, whole)
+from tests.engines.streams import drain
 
 pytestmark = pytest.mark.timeout(900)  # guards against a hang only; nothing here is timed
 
-HANG_GUARD_S = 120.0  # a stream that should speak and does not fails here instead of hanging
-FRAMES = LengthControls(audio_frames=80)  # MiniCPM-o's random weights: several chunks; Piper: n/a
-TWO_SENTENCES = "Hello from the serving stack. This second sentence is a little longer."
-# An open input that can be spoken at once: a sentence end and well over ten TTS tokens.
-SPEAKABLE_START = "Hello from a streamed request. And this clause is not"
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module", params=["minicpmo", "piper"])
-def engine(request):
-    if request.param == "minicpmo":
-        engine = tiny_engine(request.getfixturevalue("tiny_checkpoint"), max_slots=3,
-                             max_chat_slots=1)
-    else:
-        engine = create_engine("piper", {"intra_op_threads": 2, "max_batch_size": 4,
-                                         "admission": "slots"})
-    yield engine
-    engine.close()
-
-
-def rid(name: str) -> str:
-    """A request id no other test on the module's engine uses."""
-    return f"{name}-{next(_ids)}"
-
-
-def whole(request_id: str, text: str = TWO_SENTENCES, **fields) -> SpeechRequest:
-    return SpeechRequest(request_id, text, seed=1, lengths=FRAMES, **fields)
-
-
-def streamed(request_id: str, text: str = "", **fields) -> SpeechRequest:
-    # A cap, not a fixed length: MiniCPM-o cuts text that stops at a break only in a segment
-    # that can end; 5 s is past Piper's first clause, so its first chunk is not cut to final.
-    fields.setdefault("max_audio_s", 5.0)
-    return SpeechRequest(request_id, text, seed=1, text_input="streamed", **fields)
-
-
-async def chunks_of(stream) -> list[AudioChunk]:
-    return [chunk async for chunk in stream]
-
-
-def audio(chunks: list[AudioChunk]) -> np.ndarray:
-    return np.concatenate([chunk.samples for chunk in chunks])
-
-
-def spoken_alone(engine, request: SpeechRequest) -> np.ndarray:
-    async def run():
-        (stream,) = engine.submit([request])
-        return audio(await chunks_of(stream))
-
-    return asyncio.run(run())
-
-
-def assert_quiet(engine) -> None:
-    stats = engine.stats()
-    assert (stats.active_streams, stats.queued_streams) == (0, 0)
-
-
-class Sink:
-    """An output sink (Engine.submit_to) that keeps every item; awaitable until streams end."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, object]] = []
-        self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
-
-    def __call__(self, items: list[tuple[str, object]]) -> None:  # any thread
-        self.items.extend(items)
-        self._loop.call_soon_threadsafe(self._changed.set)
-
-    def of(self, request_id: str) -> list[object]:
-        return [item for r, item in list(self.items) if r == request_id]
-
-    def ended(self, request_id: str) -> bool:
-        items = self.of(request_id)
-        return bool(items) and (isinstance(items[-1], BaseException) or items[-1].final)
-
-    async def wait_until(self, condition) -> None:
-        async def wait() -> None:
-            while not condition():
-                self._changed.clear()
-                if condition():  # items that came before the clear
-                    return
-                await self._changed.wait()
-
-        await asyncio.wait_for(wait(), HANG_GUARD_S)
-
-    async def wait_ended(self, *request_ids: str) -> None:
-        await self.wait_until(lambda: all(self.ended(r) for r in request_ids))
-
-
-async def first_chunk(stream) -> AudioChunk:
-    return await asyncio.wait_for(anext(stream), HANG_GUARD_S)
-
-
-async def drain_guarded(stream) -> tuple[int, BaseException | None]:
-    """drain, for a stream that ends only if the engine ends it (an open input)"""
-    return await asyncio.wait_for(drain(stream), HANG_GUARD_S)
+engine = contract_engines()
 
 
 # ---- what the engine says about itself ----------------------------------------------------
@@ -466,105 +366,7 @@ def test_a_failing_sink_loses_only_its_own_items(engine) -> None:
     assert len(spoken_alone(engine, whole(rid("after-broken")))) > 0
 
 
-# ---- streamed text in (feed_text) ---------------------------------------------------------
-
-OPEN_INPUTS = {
-    "sentence-end": SPEAKABLE_START,
-    "commas-only": "Well, you see, I",
-    "commas-only-long": ("Well, if you want the short version, we drove north, then east, then "
-                         "north again, past the lake, the old mill, and the long stone bridge"),
-    "no-break": " ".join(["and then we walked a little further along the old road"] * 3),
-}
-
-
-@pytest.mark.parametrize("case", OPEN_INPUTS, ids=list(OPEN_INPUTS))
-def test_streamed_text_is_spoken_before_the_input_ends(engine, case: str) -> None:
-    """By the streamed-text rule: text with a break in it, or a run past the cap, starts to be
-    spoken while the input is still open (no ``done`` ever comes here)."""
-    text = OPEN_INPUTS[case]
-    assert clause_ends(text)  # the rule has a piece here
-    if case == "no-break":
-        assert len(text) > MAX_CLAUSE_CHARS and not clause_ends(text[:MAX_CLAUSE_CHARS])
-    request = streamed(rid(case))
-
-    async def run():
-        (stream,) = engine.submit([request])
-        engine.feed_text(request.request_id, text)  # never done
-        head = await first_chunk(stream)
-        engine.abort(request.request_id)
-        return head, await drain_guarded(stream)
-
-    head, _ = asyncio.run(run())
-    assert not head.final and len(head.samples) > 0
-    assert_quiet(engine)
-
-
-def test_text_fed_in_parts_is_spoken_as_the_same_text_fed_at_once(engine) -> None:
-    text = ("Streaming text arrives a few words at a time, and the speech follows it closely. "
-            "Nothing here waits for the last word.")
-    # cut inside words only: where a delta ends is never a break the whole text lacks
-    cuts = [0, 5, 12, 33, 43, 95, len(text)]
-    assert all(text[c - 1].isalpha() and text[c].isalpha() for c in cuts[1:-1])
-
-    async def run(request_id: str, deltas: list[str]):
-        (stream,) = engine.submit([streamed(request_id, max_audio_s=None, lengths=FRAMES)])
-        for delta in deltas:
-            engine.feed_text(request_id, delta)
-        engine.feed_text(request_id, "", done=True)
-        return await chunks_of(stream)
-
-    at_once = asyncio.run(run(rid("at-once"), [text]))
-    in_parts = asyncio.run(run(rid("in-parts"), [text[a:b] for a, b in zip(cuts, cuts[1:])]))
-    assert at_once[-1].final and in_parts[-1].final
-    assert len(audio(in_parts)) == len(audio(at_once)) > 0
-    np.testing.assert_allclose(audio(in_parts), audio(at_once), atol=1e-4)
-
-
-def test_text_at_submission_and_fed_text_are_spoken_in_one_stream(engine) -> None:
-    request = streamed(rid("head-and-rest"), "Hello from a streamed ", max_audio_s=None,
-                       lengths=FRAMES)
-
-    async def run():
-        (stream,) = engine.submit([request])
-        engine.feed_text(request.request_id, "request. And the rest.", done=True)
-        return await chunks_of(stream)
-
-    chunks = asyncio.run(run())
-    assert [chunk.final for chunk in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert len(audio(chunks)) > engine.sample_rate_hz // 2
-    assert {chunk.request_id for chunk in chunks} == {request.request_id}
-
-
-def test_a_stream_waiting_for_text_does_not_hold_up_others(engine) -> None:
-    other = whole(rid("other"), "A whole request.")
-    (other_chunks, other_error), (waiting_chunks, waiting_error) = asyncio.run(
-        finish_while_one_waits(engine, streamed(rid("waiting")), other, "Now it speaks."))
-    assert other_error is None and other_chunks >= 1
-    assert waiting_error is None and waiting_chunks >= 1
-
-
-@pytest.mark.parametrize("fed", ["", "   "], ids=["nothing", "blank"])
-def test_input_that_ends_empty_ends_the_stream_with_one_empty_final_chunk(engine, fed) -> None:
-    request = streamed(rid("empty"))
-
-    async def run():
-        (stream,) = engine.submit([request])
-        engine.feed_text(request.request_id, fed, done=True)
-        return await chunks_of(stream)
-
-    chunks = asyncio.run(run())
-    assert [chunk.final for chunk in chunks] == [True] and len(chunks[0].samples) == 0
-    assert_quiet(engine)
-
-
-def test_feed_errors(engine) -> None:
-    """unknown id, a whole-text request, past the 4096 characters (the text at submission
-    counts), after ``done``, after the stream finished."""
-    codes = asyncio.run(feed_error_codes(engine, whole(rid("whole-text"), "Whole text."),
-                                         streamed(rid("errors"), "Some text.")))
-    assert codes == FEED_ERROR_CODES
-    engine.validate(streamed(rid("empty-is-fine")))  # a streamed request may start with no text
-
+# ---- warmup -------------------------------------------------------------------------------
 
 def test_warmup_runs_a_throwaway_request_and_leaves_the_engine_free(engine) -> None:
     completed = engine.stats().completed

@@ -1,6 +1,6 @@
 """Streamed text input on the Piper engine (the real voice): clauses are spoken as they
 complete, before the input ends: what its chunks hold (what every engine does with streamed text
-is in test_engine_contract.py)."""
+is in test_engine_contract_text_input.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import torch
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.registry import create_engine
 from serve_app.engines.work_admission import REFUSAL_REASONS
-from tests.engines.test_engine_contract import Sink
+from tests.engines.contract import Sink
 
 TEXT = "Admission by work keeps what it admits in real time."
 SLOTS = 2

@@ -1,5 +1,5 @@
-"""examples/pipecat_tts.py against the real app: Pipecat pipelines that speak through
-``WS /v1/audio/speech/stream``.
+"""The service of examples/pipecat_tts.py (examples/pipecat_speech/) against the real app:
+Pipecat pipelines that speak through ``WS /v1/audio/speech/stream``.
 
 Driven as Pipecat's own tests drive a processor, in a pipeline run by a ``PipelineWorker``
 (``pipecat.tests.utils.run_test`` for a plain utterance). The interrupted turn plays into the
@@ -33,7 +33,7 @@ from pipecat.processors.aggregators.llm_response_universal import LLMContextAggr
 from pipecat.tests.utils import run_test
 from pipecat.workers.runner import WorkerRunner
 
-from examples.pipecat_tts import PcmFileOutputTransport, SpeechStreamTTSService
+from examples.pipecat_speech import PcmFileOutputTransport, SpeechStreamTTSService
 from tests.serving.conftest import Server
 
 pytestmark = pytest.mark.slow

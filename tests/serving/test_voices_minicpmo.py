@@ -9,12 +9,11 @@ store. App b's engine keeps one voice loaded, so speaking two voices there evict
 
 The reference clip is real speech: the session's Piper app reads a sentence. Decoding is greedy,
 so a voice's audio is the same wherever and whenever it is spoken, and equal to what the engine
-itself makes in this process from the same clip.
+itself makes in this process from the same clip. The apps and the helpers: voices_apps.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
@@ -22,8 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,77 +28,29 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from serve_app.engines.base import SpeechRequest
 from serve_app.voices.clip import owner_of_key
 from tests.serving.conftest import Server, speak_word_by_word, wait_ready
-from tests.serving.test_minicpmo_app import engine_options
 from tests.serving.test_web_page import CHROMIUM_ARGS, chromium_path
+from tests.serving.voices_apps import (
+    ALICE,
+    APPS,
+    BOB,
+    CLIP_TEXT,
+    MAX_VOICES_PER_KEY,
+    TEXT,
+    UPLOAD_LIMIT_BYTES,
+    Voice,
+    VoicesApps,
+    assert_error,
+    assert_same_pcm,
+    create,
+    engine_reference,
+    pcm16,
+    speak,
+    voices_app,
+)
 
 pytestmark = pytest.mark.slow
-
-KEYS = ("voices-key-alice", "voices-key-bob")
-ALICE, BOB = KEYS
-APPS = {"a": "/voices-a", "b": "/voices-b"}
-MAX_VOICES_PER_KEY = 2
-UPLOAD_LIMIT_BYTES = 2 * 1024 * 1024
-CLIP_TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs far away into "
-             "the woods.")
-TEXT = "Hello in a cloned voice."
-
-
-def voices_app_args(store: Path, checkpoint: Path, max_engine_voices: int):
-    from serve_app.config import ApiConfig
-
-    options = {**engine_options(checkpoint, voices=True), "max_voices": max_engine_voices}
-    api = ApiConfig(api_keys=list(KEYS), voice_store=str(store),
-                    max_voices_per_key=MAX_VOICES_PER_KEY,
-                    max_voice_upload_bytes=UPLOAD_LIMIT_BYTES)
-    return options, api
-
-
-def voices_app(name: str, prefix: str, store: Path, checkpoint: Path, max_engine_voices: int):
-    """One of the two apps, to deploy (a ``serve.RunTarget``)."""
-    from ray import serve
-
-    from serve_app.config import BatchingConfig
-    from serve_app.front.ingress import Ingress
-    from serve_app.gpu.synthesizer import Synthesizer
-
-    options, api = voices_app_args(store, checkpoint, max_engine_voices)
-    small = {"num_cpus": 0.05}
-    synthesizer = Synthesizer.options(
-        ray_actor_options=small,
-        user_config=BatchingConfig(max_batch_size=4, batch_wait_timeout_s=0.05).model_dump(),
-    ).bind("minicpmo", options, voice_store=api.voice_store)
-    ingress = Ingress.options(ray_actor_options=small).bind(synthesizer, api.model_dump())
-    return serve.RunTarget(ingress, name=name, route_prefix=prefix)
-
-
-@dataclass
-class VoicesApps:
-    base: dict[str, str]  # app name -> base URL
-    store: Path
-    clip: bytes  # real speech, wav
-    clip_path: Path
-    checkpoint: Path
-
-    def client(self, app: str, key: str = ALICE) -> httpx.Client:
-        return httpx.Client(base_url=self.base[app], timeout=300,
-                            headers={"authorization": f"Bearer {key}"})
-
-    def synthesizer(self, app: str):
-        from ray import serve
-
-        return serve.get_deployment_handle("Synthesizer", app_name=f"voices-{app}")
-
-    def voice_stats(self, app: str) -> dict[str, int]:
-        # From a thread of its own: Playwright's sync API runs an event loop in this one.
-        with ThreadPoolExecutor(1) as pool:
-            return pool.submit(
-                lambda: self.synthesizer(app).stats.remote().result()["voices"]).result()
-
-    def files(self) -> list[str]:
-        return sorted(str(path.relative_to(self.store)) for path in self.store.rglob("*"))
 
 
 @pytest.fixture(scope="module")
@@ -135,30 +84,6 @@ def apps(server: Server, voice_checkpoint: Path, tmp_path_factory) -> VoicesApps
         time.sleep(0.5)
 
 
-@dataclass
-class Voice:
-    id: str
-    pcm: bytes  # TEXT spoken in it by app a
-
-
-def create(client: httpx.Client, clip: bytes, name: str = "Alice", **fields) -> httpx.Response:
-    form = {"name": name, "consent": "true", **fields}
-    return client.post("/v1/audio/voices", data=form,
-                       files={"audio_sample": ("speaker.wav", clip, "audio/wav")})
-
-
-def speak(client: httpx.Client, voice: str, text: str = TEXT) -> httpx.Response:
-    return client.post("/v1/speech/stream", json={"text": text, "voice": voice, "format": "pcm",
-                                                   "sample_rate": 24000})
-
-
-def assert_error(response: httpx.Response, status: int, code: str) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, error
-    return error
-
-
 @pytest.fixture(scope="module")
 def voice(apps: VoicesApps) -> Voice:
     """Alice's voice, created through app a, and TEXT spoken in it there."""
@@ -168,40 +93,6 @@ def voice(apps: VoicesApps) -> Voice:
         spoken = speak(client, created.json()["id"])
     assert spoken.status_code == 200, spoken.text
     return Voice(created.json()["id"], spoken.content)
-
-
-def engine_reference(apps: VoicesApps, voice_id: str) -> tuple[np.ndarray, np.ndarray,
-                                                              np.ndarray]:
-    """In this process, from the same clip: the engine's embeddings, TEXT in the voice and
-    TEXT in the default voice (float samples)."""
-    from serve_app.engines.minicpmo import MiniCPMOEngine
-    from serve_app.voices.clip import decode_clip
-
-    engine = MiniCPMOEngine.from_options(**engine_options(apps.checkpoint, voices=True))
-    try:
-        clip = decode_clip(apps.clip, 1.0, 30.0)
-        embeddings = engine.embed_voice(clip.samples, clip.sample_rate_hz)
-        engine.add_voice(voice_id, embeddings)
-
-        async def run(voice: str) -> np.ndarray:
-            (stream,) = engine.submit([SpeechRequest(request_id=voice, text=TEXT, voice=voice)])
-            return np.concatenate([chunk.samples async for chunk in stream])
-
-        return embeddings, asyncio.run(run(voice_id)), asyncio.run(run("default"))
-    finally:
-        engine.close()
-
-
-def pcm16(samples: np.ndarray) -> np.ndarray:
-    return np.round(np.clip(samples, -1.0, 1.0) * 32767).astype(np.int32)
-
-
-def assert_same_pcm(served: bytes, expected: np.ndarray | bytes) -> None:
-    got = np.frombuffer(served, "<i2").astype(np.int32)
-    want = (np.frombuffer(expected, "<i2").astype(np.int32) if isinstance(expected, bytes)
-            else expected)
-    assert len(got) == len(want) > 0
-    assert np.max(np.abs(got - want)) <= 1
 
 
 # ---- creating and speaking ---------------------------------------------------------------------
