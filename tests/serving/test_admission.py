@@ -17,7 +17,9 @@ STREAMS = 3
 @pytest.fixture(scope="module")
 def long_stream_app(server, tiny_checkpoint):
     """The tiny MiniCPM-o checkpoint with fixed 60 s streams (many seconds of wall time each),
-    behind the tightest batching knobs: one batch of one request at a time."""
+    behind the tightest batching knobs: one batch of one request at a time. Admission by slots:
+    what is asserted is that batches do not hold streams, and on a loaded machine the tiny
+    engine's measured step could make admission by work refuse the third stream."""
     from ray import serve
 
     from serve_app.config import ApiConfig, BatchingConfig
@@ -28,7 +30,7 @@ def long_stream_app(server, tiny_checkpoint):
     options = {"model": str(tiny_checkpoint), "device": "cpu", "dtype": "float32",
                "max_slots": 4, "max_chat_slots": 1, "tts_max_positions": 4096,
                "llm_max_positions": 256, "tts_sampling": "greedy", "max_segment_frames": 3600,
-               "benchmark": {"audio_seconds": 60}}
+               "benchmark": {"audio_seconds": 60}, "admission": "slots"}
     synthesizer = Synthesizer.options(
         name="Synthesizer", ray_actor_options=small, max_ongoing_requests=8,
         user_config=BatchingConfig(max_batch_size=1, batch_wait_timeout_s=0.0,
