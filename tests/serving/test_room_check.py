@@ -4,8 +4,10 @@ again. Real EngineStats as the engine's scheduler makes them."""
 
 from __future__ import annotations
 
+import time
+
 from serve_app.engines.stats import EngineStats
-from serve_app.gpu.room_check import RoomCheck
+from serve_app.gpu.room_check import PASS_WINDOW_S, RoomCheck
 
 
 def stats(read_room: float, chat_room: float, active: int = 10, free_slots: int = 500,
@@ -49,3 +51,13 @@ def test_an_idle_engine_and_admission_by_slots_take_what_comes():
     assert all(check.refusal(idle, "read") is None for _ in range(20))
     by_slots = EngineStats(active_streams=900, max_slots=1024)  # work_limit 0: its queue decides
     assert all(check.refusal(by_slots, "chat") is None for _ in range(20))
+
+
+def test_a_stream_let_through_counts_only_for_a_few_pushes():
+    """The engine pushes only when its stats change, and late on a loaded machine: a stream
+    that passed long ago is in its figures by then, so it no longer counts."""
+    check = RoomCheck()
+    pushed = stats(read_room=2.0, chat_room=0.5)
+    assert [check.refusal(pushed, "read") for _ in range(3)] == [None, None, "work"]
+    time.sleep(PASS_WINDOW_S + 0.05)
+    assert check.refusal(pushed, "read") is None
