@@ -45,8 +45,8 @@ for a slot, so the engine catches up on what it holds instead of taking more; a 
 whose wait would outlast its allowance (Waiting) is refused at the next step, not once the
 allowance has run out. And a step whose listeners ran thin faster than it could cut their
 audio (``audio_cuts: on_demand``) starts no queued stream at the next: a ramp of new streams,
-each thin after its first chunk, paces itself to what the engine can keep fed. The model's projection alone cannot see what the
-engine's listeners see.
+each thin after its first chunk, paces itself to what the engine can keep fed. The model's
+projection alone cannot see what the engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
 timeouts allow): the A/B of the overload benchmark.
