@@ -169,13 +169,20 @@ def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnec
 
 
 def one_bad(client: httpx.Client, tally: Tally, rng: random.Random) -> None:
+    """A bad request: a 4xx, or, while the service is full, admission's refusal. The front's
+    own checks come before any refusal for load, but text only the engine can judge (Piper's
+    "nothing this voice can speak" for "...") is judged once there is room, after the replica's
+    room check: under load its answer is the refusal (``bad_request_refused``)."""
     path, kwargs = rng.choice(BAD_REQUESTS)
     tally.add("requests_sent")
     tally.add("bad_requests_sent")
     response = client.post(path, **kwargs)
-    tally.status(response.status_code)
+    refused = is_refusal(response)
+    tally.status(response.status_code, refusal=refused)
     if response.status_code < 400:
         tally.add("bad_request_accepted")
+    elif refused:
+        tally.add("bad_request_refused")
     else:
         tally.add("rejected_5xx" if response.status_code >= 500 else "rejected_4xx")
     if not response.headers.get("content-type", "").startswith("application/json"):
@@ -318,6 +325,7 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
         "lost_examples": tally.lost_examples[:10],
         "rejected_4xx": counts["rejected_4xx"],
         "rejected_5xx": counts["rejected_5xx"],
+        "bad_requests_refused_for_load": counts["bad_request_refused"],
         "bad_requests_sent": counts["bad_requests_sent"],
         "bad_request_accepted": counts["bad_request_accepted"],
         "non_json_errors": counts["non_json_errors"],

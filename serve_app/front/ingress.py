@@ -34,6 +34,7 @@ from serve_app.front.guard import (REQUEST_ID_HEADER, KeyRing, RequestGuard, Str
                                    json_error)
 from serve_app.front.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.hops import as_cancellation, is_cancellation
+from serve_app.observability import memory_trace
 from serve_app.observability.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
 from serve_app.observability.metrics import EncoderMetrics, IngressMetrics
@@ -157,6 +158,7 @@ class Ingress:
         # The first call through a handle sets up its router and connections: made now, so no
         # request pays for it; its answer is the engine info the routes need.
         self._info_call = synthesizer.info.remote()
+        memory_trace.start_if_asked("Ingress")
 
     async def _engine_info(self) -> EngineInfo:
         if self._info is None:
