@@ -241,6 +241,17 @@ def timeline(samples: list[dict[str, Any]], start_t: float) -> list[dict[str, An
     return folded
 
 
+def route_capacity(samples: list[dict[str, Any]], start: float, slots_per_replica: int
+                   ) -> dict[str, Any]:
+    """upgrade_drain's ``capacity`` on the route the clients use: before (the last sample
+    before ``start``), the fewest from ``start`` on, and after (the last)."""
+    before = [s for s in samples if s["t_s"] < start]
+    return capacity(serving(before[-1]) if before else None,
+                    [{"t_s": s["t_s"], "states": {"RUNNING": serving(s)}}
+                     for s in timeline([s for s in samples if s["t_s"] >= start], start)],
+                    slots_per_replica)
+
+
 def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]:
     start = record["rollout_t_s"]
     switch, deleted = record.get("switch_t_s"), record.get("old_deleted_t_s")
@@ -256,7 +267,6 @@ def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]
                or r["audio_s"] < 0.95 * expected_audio_s]
     new_rows = [row(s, route) for s, route in zip(record["new_requests"], record["request_routes"])]
     failed = [r for r in new_rows if r["outcome"] != "finished"]
-    before = [s for s in record["samples"] if s["t_s"] < start]
     during = [s for s in record["samples"] if s["t_s"] >= start]
     nodes = [s["worker_nodes"] for s in during]
 
@@ -284,10 +294,7 @@ def summarize(record: dict[str, Any], expected_audio_s: float) -> dict[str, Any]
         "outcomes_long": count_outcomes(record["long_streams"]),
         "outcomes_new_requests": count_outcomes(record["new_requests"]),
         "errors": sorted({r["error"] or r["outcome"] for r in dropped + failed})[:10],
-        "capacity": capacity(
-            serving(before[-1]) if before else None,
-            [{"t_s": s["t_s"], "states": {"RUNNING": serving(s)}} for s in timeline(during, start)],
-            record["slots_per_replica"]),
+        "capacity": route_capacity(record["samples"], start, record["slots_per_replica"]),
         "timeline": timeline(during, start),
         "streams": long_rows,
         "new_request_rows": new_rows,
