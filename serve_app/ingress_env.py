@@ -23,8 +23,9 @@ HAProxy applies a change of backends (an app added or deleted, an Ingress replic
 stopped) by starting a new process; the old one keeps its connections, but only for
 ``RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S`` (120 s by default), then closes them: every stream
 through it still running two minutes after such a change was cut (measured: a new app deployed
-beside one with three-minute streams; each was cut 120 s after HAProxy reloaded for it). A local
-cluster sets it to :data:`LONGEST_STREAM_S`, so a stream in flight at a reload ends on its own.
+beside one with three-minute streams; each was cut 120 s after HAProxy reloaded for it). Every
+cluster sets it to :data:`LONGEST_STREAM_S` (a local one here; ``cluster.yaml`` and the
+RayServices, ``scripts/write_rayservices.py``), so a stream in flight at a reload ends on its own.
 """
 
 from __future__ import annotations
