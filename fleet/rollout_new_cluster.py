@@ -13,7 +13,7 @@ serve Service to it, only once N Synthesizers run; the old cluster is deleted
 ``serve_config.cluster_demo.yaml``), with room for twice the Synthesizers (max 4 nodes):
 
 - *the old cluster* is the app ``tts`` on ``/``, its Synthesizer at two replicas on two nodes
-  (the size a load had scaled it out to); long streams over plain HTTP, SSE and the WebSocket
+  (scaled out); long streams over plain HTTP, SSE and the WebSocket
   run on it, and a short request over each kind starts every ``--interval-s``, throughout;
 - *the new cluster* is the new version (the Synthesizer's ``num_cpus`` changed, as in
   upgrade_drain) as a second application, ``tts-v2`` on ``/v2``, deployed beside the old one
@@ -29,11 +29,15 @@ serve Service to it, only once N Synthesizers run; the old cluster is deleted
 
 Two apps on one Ray cluster stand in for two RayClusters: what the scenario measures is the
 new Synthesizers' start (nodes launched, replicas up) and the switch's timing against it, which
-the one cluster shows as two would; it does not run KubeRay.
+the one cluster shows as two would; it does not run KubeRay. Unlike two clusters, the apps share
+one HAProxy, which reloads when the new app is added (the local cluster keeps a reloaded-out
+HAProxy's streams to their end: ``serve_app/ingress_env.py``). The old app's Synthesizer is held
+at two (``num_replicas``, as upgrade_drain's), the size a load had scaled it out to: the scaling
+out itself is scripts/autoscaler_nodes' run.
 
 ``capacity``: the replicas taking new streams (RUNNING) of the app on the route the clients use,
-sampled every second: before the rollout, the fewest from the rollout's start until the old app
-is deleted, and after. Required: ``during_min`` and ``after`` at least ``before``, every stream in
+sampled every second: before the rollout, the fewest from the rollout's start on (through the
+switch and the deletion), and at the end. Required: ``during_min`` and ``after`` at least ``before``, every stream in
 flight finished whole (``dropped_streams`` 0), every request served (``failed_requests`` 0).
 The JSON goes under ``new_cluster_rollout`` in ``--out``, beside upgrade_drain's in-place run.
 """
