@@ -49,7 +49,9 @@ def haproxy_files_in(directory: Path) -> dict[str, str]:
     directory.mkdir(parents=True, exist_ok=True)
     return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(directory / "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": str(directory / "admin.sock"),
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(directory / "metrics.sock"),
+            # HAProxy logs to it, and a log socket's path takes at most 97 characters (Ray adds
+            # the node id's 56 to the folder): metrics.sock under a head_loss node's was 99.
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(directory / "m.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(directory),
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(directory / "server-state")}
 
