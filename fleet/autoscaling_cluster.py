@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.local_cluster import MARKER_ENV, LocalCluster
+from harness.service import haproxy_files_in
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class AutoscalingLocalCluster(LocalCluster):
     @property
     def env(self) -> dict[str, str]:
         return {**super().env, **self.extra_env,
+                # The provider's head id is the same in every such cluster on the machine.
+                **haproxy_files_in(self.temp_dir / "haproxy"),
                 "RAY_FAKE_CLUSTER": "1",  # the provider refuses to run without it
                 "RAY_enable_autoscaler_v2": "1",
                 "RAY_CLOUD_INSTANCE_ID": HEAD_NODE_ID,  # v2 matches the head to its instance

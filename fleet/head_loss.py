@@ -56,7 +56,7 @@ from fleet.scenario import (
     report_run,
 )
 from harness.local_ray import free_ports
-from harness.service import APP_NAME, haproxy_env_of_its_own
+from harness.service import APP_NAME, haproxy_env_of_its_own, haproxy_files_in
 from harness.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
 from loadtest.corpus import LONG, SHORT
 
@@ -144,13 +144,7 @@ class FaultTolerantCluster(LocalCluster):
         self.head_starts = 0
 
     def _node_env(self, name: str) -> dict[str, str]:
-        haproxy_dir = self.temp_dir / f"haproxy-{name}"
-        haproxy_dir.mkdir(exist_ok=True)
-        env = {**haproxy_env_of_its_own(),
-               "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(haproxy_dir / "haproxy.cfg"),
-               "RAY_SERVE_HAPROXY_SOCKET_PATH": str(haproxy_dir / "admin.sock"),
-               "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(haproxy_dir),
-               "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(haproxy_dir / "server-state")}
+        env = {**haproxy_env_of_its_own(), **haproxy_files_in(self.temp_dir / f"haproxy-{name}")}
         if name == "head":
             return {**env, "RAY_REDIS_ADDRESS": self.redis.address,
                     "RAY_external_storage_namespace": self.namespace}

@@ -6,6 +6,7 @@ started and stopped around it, whatever happens, and the JSON written)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import logging
@@ -24,6 +25,8 @@ import yaml
 from bench.served.report import git_commit
 from fleet.autoscaling_cluster import FRONT, AutoscalingLocalCluster
 from fleet.cluster_demo import replica_states, wait_until
+from harness.stream_clients import KINDS, StreamOutcome, one_stream
+from loadtest.corpus import MEDIUM, SHORT
 
 logger = logging.getLogger(__name__)
 
@@ -72,22 +75,23 @@ def deployment_config(config: dict[str, Any], name: str) -> dict[str, Any]:
     return next(d for d in app["deployments"] if d["name"] == name)
 
 
-def synthesizer_actors() -> dict[str, dict[str, Any]]:
-    """Replica id -> the GCS actor table's entry of every live Synthesizer replica."""
+def synthesizer_actors(app: str = APP_NAME) -> dict[str, dict[str, Any]]:
+    """Replica id -> the GCS actor table's entry of every live Synthesizer replica of ``app``."""
     import ray
 
     found = {}
     for actor in ray._private.state.actors().values():
         name = actor.get("Name") or ""
-        if actor.get("State") == "ALIVE" and f"#{SYNTHESIZER}#" in name:
+        if actor.get("State") == "ALIVE" and name.startswith(f"SERVE_REPLICA::{app}#{SYNTHESIZER}#"):
             found[name.rsplit("#", 1)[1]] = actor
     return found
 
 
-def synthesizer_replica_nodes() -> dict[str, str]:
-    """Replica id -> node id of every live Synthesizer replica (the GCS actor table)."""
+def synthesizer_replica_nodes(app: str = APP_NAME) -> dict[str, str]:
+    """Replica id -> node id of every live Synthesizer replica of ``app`` (the GCS actor
+    table)."""
     return {replica: actor["Address"]["NodeID"]
-            for replica, actor in synthesizer_actors().items()}
+            for replica, actor in synthesizer_actors(app).items()}
 
 
 # Serve's line for each call a replica starts (at DEBUG: the Synthesizer's logging_config),
@@ -103,14 +107,14 @@ def trace_synthesizer_calls(config: dict[str, Any]) -> None:
     deployment_config(config, SYNTHESIZER)["logging_config"] = {"log_level": "DEBUG"}
 
 
-def stream_replicas(logs_dir: Path, patterns: tuple[re.Pattern, ...] = (CALL_STARTED, FIRST_AUDIO)
-                    ) -> dict[str, str]:
+def stream_replicas(logs_dir: Path, patterns: tuple[re.Pattern, ...] = (CALL_STARTED, FIRST_AUDIO),
+                    app: str = APP_NAME) -> dict[str, str]:
     """Request id -> Synthesizer replica id, from each replica's log: Serve's line for a
     ``synthesize`` call it started (:func:`trace_synthesizer_calls`) or, at the stream's end,
     ours for its first audio (``synthesizer._log_first_chunk``; ``patterns`` (FIRST_AUDIO,):
-    only the streams a replica served audio for)."""
+    only the streams a replica served audio for); the Synthesizer of ``app``."""
     found = {}
-    for path in (logs_dir / "serve").glob(f"replica_{APP_NAME}_{SYNTHESIZER}_*.log"):
+    for path in (logs_dir / "serve").glob(f"replica_{app}_{SYNTHESIZER}_*.log"):
         replica = path.stem.rsplit("_", 1)[1]
         text = path.read_text(errors="replace")
         for pattern in patterns:
@@ -152,6 +156,56 @@ def wait_for_two_replicas(base_url: str, timeout_s: float = 400.0) -> None:
 
     if not wait_until(ready, timeout_s, 1.0):
         raise RuntimeError(f"two Synthesizer replicas on two nodes never ran ({base_url})")
+
+
+class NewRequests:
+    """A short request over each of plain HTTP, SSE and the WebSocket every ``interval_s``
+    (:meth:`keep_going`, until :meth:`stop`), each to ``base_url`` as it is when it starts: a
+    scenario moves it (the switch to a new cluster). ``tasks`` and the ``routes`` they went to,
+    in step."""
+
+    def __init__(self, base_url: str, clock: Any, give_up_s: float, interval_s: float) -> None:
+        self.base_url, self._clock = base_url, clock
+        self._give_up_s, self._interval_s = give_up_s, interval_s
+        self.tasks: list[asyncio.Task] = []
+        self.routes: list[str] = []
+        self._stopped = asyncio.Event()
+        self._rounds = 0
+
+    def over_each_kind(self) -> None:
+        texts = MEDIUM if self._rounds % 3 == 0 else SHORT
+        for kind in KINDS:
+            self.tasks.append(asyncio.create_task(one_stream(
+                kind, self.base_url, texts[self._rounds % len(texts)], self._clock,
+                self._give_up_s)))
+            self.routes.append(self.base_url)
+        self._rounds += 1
+
+    async def keep_going(self) -> None:
+        while not self._stopped.is_set():
+            self.over_each_kind()
+            try:
+                await asyncio.wait_for(self._stopped.wait(), self._interval_s)
+            except TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def outcomes(self) -> list[StreamOutcome]:
+        return list(await asyncio.gather(*self.tasks))
+
+
+async def until_under_way(watched: dict[str, StreamOutcome], streams: int, give_up_s: float
+                          ) -> None:
+    """Until each of ``streams`` streams has begun (in ``watched``) and has its first audio or
+    has ended, or ``give_up_s``."""
+    deadline = time.monotonic() + give_up_s
+    while time.monotonic() < deadline and not (
+            len(watched) == streams
+            and all(stream.first_audio_s is not None or stream.end_s is not None
+                    for stream in watched.values())):
+        await asyncio.sleep(0.5)
 
 
 def add_run_args(parser: Any, out_name: str, streams_per_kind: int, give_up_s: float,
@@ -196,10 +250,12 @@ def report_run(script: str, what: str, cluster: AutoscalingLocalCluster,
                run: Callable[[], dict[str, Any]], passed: Callable[[dict[str, Any]], bool],
                out: Path, logs: Path | None, headline: Sequence[str],
                dump: Callable[[dict[str, Any]], str] = lambda r: json.dumps(r, indent=1) + "\n",
-               ) -> dict[str, Any]:
+               under: str | None = None, keep: Sequence[str] = ()) -> dict[str, Any]:
     """Start the cluster, ``run()`` on it and stop it (every process it started ends, its
     logs copied to ``logs`` first), whatever happens; then write the result with what, the
-    command, commit, machine and verdict to ``out`` and print its ``headline`` keys."""
+    command, commit, machine and verdict to ``out`` (``under``: as that key of the JSON object
+    already there, the rest kept; ``keep``: those keys of it carried into the new one) and print
+    its ``headline`` keys."""
     started = time.time()
     machine_at_start = machine()
     result: dict[str, Any] = {}
@@ -219,7 +275,11 @@ def report_run(script: str, what: str, cluster: AutoscalingLocalCluster,
               "run_s": round(time.time() - started), "error": error, **result}
     result["passed"] = error is None and passed(result)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dump(result))
+    held = json.loads(out.read_text()) if out.exists() and (under or keep) else {}
+    if under is None:
+        out.write_text(dump({**result, **{k: held[k] for k in keep if k in held}}))
+    else:
+        out.write_text(dump({**held, under: result}))
     print(json.dumps({k: result.get(k) for k in ("passed", "error", *headline)}),
           f"wrote {out}", flush=True)
     return result

@@ -48,6 +48,7 @@ from fleet.cluster_demo import replica_states, wait_until
 from fleet.local_cluster import RAY
 from fleet.scenario import (
     SYNTHESIZER,
+    NewRequests,
     add_run_args,
     connect_driver,
     deployment_config,
@@ -56,12 +57,13 @@ from fleet.scenario import (
     stream_replicas,
     synthesizer_replica_nodes,
     two_replica_config,
+    until_under_way,
     wait_for_two_replicas,
 )
 from harness.local_ray import free_ports
 from harness.service import haproxy_env_of_its_own
 from harness.stream_clients import KINDS, StreamOutcome, count_outcomes, monotonic_clock, one_stream
-from loadtest.corpus import LONG, MEDIUM, SHORT
+from loadtest.corpus import LONG
 
 
 # About three minutes of speech, held as long as it plays (fleet_app_config paces Piper): the
@@ -74,6 +76,9 @@ STOPPING = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) controller
                       r"Stopping Replica\(id='(\w+)', deployment='Synthesizer'", re.M)
 SERVE = str(Path(RAY).parent / "serve")
 OLD_CPUS, NEW_CPUS = 0.5, 0.4
+# upgrade.json's key for scripts/rollout_new_cluster's run (the rollout to a new cluster),
+# kept when this run writes the file.
+NEW_CLUSTER_KEY = "new_cluster_rollout"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,38 +147,13 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
     long_streams = [asyncio.create_task(one_stream(kind, base_url, long_text(args), clock,
                                                    args.give_up_s, watched))
                     for _ in range(args.streams_per_kind) for kind in KINDS]
-    new_requests: list[asyncio.Task] = []
     states: list[dict[str, Any]] = []
-    rollout_over = asyncio.Event()
-
-    def request_over_each_kind(index: int) -> None:
-        texts = MEDIUM if index % 3 == 0 else SHORT
-        for kind in KINDS:
-            new_requests.append(asyncio.create_task(one_stream(
-                kind, base_url, texts[index % len(texts)], clock, args.give_up_s)))
-
-    async def keep_requesting() -> int:
-        """A request over each kind every ``--interval-s`` until the rollout is over; how many
-        rounds it started."""
-        index = 0
-        while not rollout_over.is_set():
-            request_over_each_kind(index)
-            index += 1
-            try:
-                await asyncio.wait_for(rollout_over.wait(), args.interval_s)
-            except TimeoutError:
-                pass
-        return index
-
-    # Every long stream under way (its first audio in) before the deploy.
-    deadline = time.monotonic() + args.give_up_s
-    while time.monotonic() < deadline and not (
-            len(watched) == len(long_streams)  # each task has begun
-            and all(stream.first_audio_s is not None or stream.end_s is not None
-                    for stream in watched.values())):
-        await asyncio.sleep(0.5)
-    requester = asyncio.create_task(keep_requesting())
-    # New requests on the old version first.
+    requests = NewRequests(base_url, clock, args.give_up_s, args.interval_s)
+    # Every long stream under way (its first audio in) before the deploy; new requests (a
+    # request over each kind every --interval-s until the rollout is over) on the old version
+    # first.
+    await until_under_way(watched, len(long_streams), args.give_up_s)
+    requester = asyncio.create_task(requests.keep_going())
     await asyncio.sleep(args.interval_s if args.before_deploy_s is None else args.before_deploy_s)
     before, _ = sample_states([], clock(), old_replicas)
     record["serving_before_deploy"] = before.get("RUNNING", 0)  # the capacity before
@@ -190,11 +170,12 @@ async def drive(args: argparse.Namespace, cluster: AutoscalingLocalCluster, base
 
     over = await asyncio.to_thread(wait_until, rolled_out, args.rollout_timeout_s, 1.0)
     record["rollout_over_t_s"] = clock() if over else None
-    rollout_over.set()
-    # A request over each kind on the new version only (the gather below waits for them).
-    request_over_each_kind(await requester)
+    requests.stop()
+    await requester
+    # A request over each kind on the new version only (outcomes() waits for them).
+    requests.over_each_kind()
     record["long_streams"] = list(await asyncio.gather(*long_streams))
-    record["new_requests"] = list(await asyncio.gather(*new_requests))
+    record["new_requests"] = await requests.outcomes()
     record["replica_states"] = states
     record["placed"] = stream_replicas(cluster.logs_dir)
     record["stopped_at"] = replicas_stopped_at(cluster.logs_dir)
@@ -364,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         "while streams run (Ray autoscaler v2 cluster, fake multi-node provider, Piper, one "
         "machine)", cluster, lambda: run(args, cluster, work), passed, args.out, args.logs,
         ("streams_in_flight_at_upgrade", "dropped_streams", "failed_requests",
-         "new_version_serving_s", "rollout_s", "requests_during_rollout"))
+         "new_version_serving_s", "rollout_s", "requests_during_rollout"),
+        keep=(NEW_CLUSTER_KEY,))
     return 0 if result["passed"] else 1
 
 

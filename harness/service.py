@@ -40,6 +40,22 @@ def haproxy_env_of_its_own() -> dict[str, str]:
     return local_cluster_env(free_ports(len(HAPROXY_PORT_SETTINGS)))
 
 
+def haproxy_files_in(directory: Path) -> dict[str, str]:
+    """HAProxy's config, sockets and server-state files under ``directory`` instead of
+    ``/tmp/haproxy-serve`` (Ray keeps each node's under its node id there): for a cluster whose
+    node ids another on the machine may share (the fake provider's head is always ``ff..00000``:
+    a second such cluster's HAProxy took over the first's admin socket, its reload failed, and
+    Serve restarted the proxy, cutting every stream), or one with several HAProxies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(directory / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(directory / "admin.sock"),
+            # HAProxy logs to it, and a log socket's path takes at most 97 characters (Ray adds
+            # the node id's 56 to the folder): metrics.sock under a head_loss node's was 99.
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(directory / "m.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(directory),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(directory / "server-state")}
+
+
 def start_service(config: dict[str, Any], base_url: str, log_path: Path,
                   ready_timeout_s: float = 300) -> subprocess.Popen:
     """``serve run`` of the config on a new local cluster, in its own process group, with
@@ -182,11 +198,12 @@ def replicas(app: str) -> list[tuple[str, int, float]]:
     return found
 
 
-def replica_states() -> dict[str, int]:
-    """The Synthesizer's replicas by state (RUNNING, STARTING, STOPPING, ...)."""
+def replica_states(app_name: str = APP_NAME) -> dict[str, int]:
+    """The Synthesizer's replicas (of the app ``app_name``) by state (RUNNING, STARTING,
+    STOPPING, ...)."""
     from ray import serve
 
-    app = serve.status().applications.get(APP_NAME)
+    app = serve.status().applications.get(app_name)
     if app is None or DEPLOYMENT not in app.deployments:
         return {}
     states = app.deployments[DEPLOYMENT].replica_states

@@ -51,6 +51,7 @@ from scripts.kuberay_sizing import (  # noqa: F401 (the tests read them here)
     engine_slots,
     ingress_replicas_at,
 )
+from serve_app.ingress_env import HAPROXY_FLAG, HAPROXY_HARD_STOP_SETTING, LONGEST_STREAM_S
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "deploy" / "kuberay"
@@ -71,8 +72,11 @@ METRICS_PORT = 8080
 # HAProxy's own Prometheus exporter (Ray 2.60's RAY_SERVE_HAPROXY_METRICS_PORT default).
 HAPROXY_METRICS_PORT = 9101
 # In every Ray container: Ray's HAProxy in front (read when Ray starts on a node, not from the
-# app's runtime_env: serve_app/ingress_env.py), listening on all interfaces of the pod.
-RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DEFAULT_HTTP_HOST": "0.0.0.0"}
+# app's runtime_env: serve_app/ingress_env.py), listening on all interfaces of the pod, and
+# keeping a reloaded-out process's connections (an app or an Ingress replica changed) for the
+# longest stream, not Ray's 120 s, after which it closes them.
+RAY_ENV = {HAPROXY_FLAG: "1", "RAY_SERVE_DEFAULT_HTTP_HOST": "0.0.0.0",
+           HAPROXY_HARD_STOP_SETTING: str(LONGEST_STREAM_S)}
 
 
 @dataclass(frozen=True)

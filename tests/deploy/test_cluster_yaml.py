@@ -99,9 +99,11 @@ def test_every_shipped_config_gives_its_replicas_the_same_serve_transport() -> N
 
 def test_every_node_starts_ray_with_haproxy_in_front(cluster: dict) -> None:
     """Serve's controller and proxies read the HAProxy flag when Ray starts on a node, not from
-    an application's runtime_env: every node's start command sets it."""
-    from serve_app.ingress_env import HAPROXY_FLAG
+    an application's runtime_env: every node's start command sets it, and how long a reloaded-out
+    HAProxy keeps its connections (the longest stream)."""
+    from serve_app.ingress_env import HAPROXY_FLAG, HAPROXY_HARD_STOP_SETTING, LONGEST_STREAM_S
 
+    exported = f"export {HAPROXY_FLAG}=1 {HAPROXY_HARD_STOP_SETTING}={LONGEST_STREAM_S};"
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         starts = [command for command in cluster[key] if "ray start" in command]
-        assert starts and all(f"export {HAPROXY_FLAG}=1;" in command for command in starts), key
+        assert starts and all(exported in command for command in starts), key

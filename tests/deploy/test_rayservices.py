@@ -20,6 +20,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from scripts import write_rayservices as writer
 from serve_app.app import build_app
+from serve_app.config import ApiConfig
 from tests.deploy import manifest_checks as checks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,7 +289,20 @@ def test_ray_is_the_locked_version(manifest: dict[str, Any]) -> None:
 def test_haproxy_in_every_container(manifest: dict[str, Any]) -> None:
     assert checks.haproxy_env_problems(manifest, writer.RAY_ENV) == []
     assert writer.RAY_ENV == {"RAY_SERVE_ENABLE_HA_PROXY": "1",
-                              "RAY_SERVE_DEFAULT_HTTP_HOST": "0.0.0.0"}
+                              "RAY_SERVE_DEFAULT_HTTP_HOST": "0.0.0.0",
+                              "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": "900"}
+
+
+def test_a_reloaded_haproxy_keeps_its_connections_for_the_longest_stream() -> None:
+    """HAProxy closes a reloaded-out process's connections after RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S
+    (Ray's 120 s cut three-minute streams 120 s after a new app was added:
+    docs/benchmarks/README.md, "A rollout that keeps capacity"): no profile's stream runs longer."""
+    from serve_app.ingress_env import LONGEST_STREAM_S
+
+    for path in sorted(ROOT.glob("serve_config*.yaml")):
+        for app in yaml.safe_load(path.read_text())["applications"]:
+            api = app.get("args", {}).get("api", {})
+            assert api.get("max_stream_s", ApiConfig().max_stream_s) <= LONGEST_STREAM_S, path
 
 
 def test_a_container_without_haproxy_fails(manifest: dict[str, Any]) -> None:
