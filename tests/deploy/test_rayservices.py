@@ -295,8 +295,8 @@ def test_haproxy_in_every_container(manifest: dict[str, Any]) -> None:
 
 def test_a_reloaded_haproxy_keeps_its_connections_for_the_longest_stream() -> None:
     """HAProxy closes a reloaded-out process's connections after RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S
-    (Ray's 120 s cut three-minute streams 120 s after a new app was added:
-    docs/benchmarks/README.md, "A rollout that keeps capacity"): no profile's stream runs longer."""
+    (Ray's 120 s cut three-minute streams 120 s after a new app was added: docs/benchmarks/
+    README.md, "A rollout that keeps capacity"): no profile's stream runs longer."""
     from serve_app.ingress_env import LONGEST_STREAM_S
 
     for path in sorted(ROOT.glob("serve_config*.yaml")):
