@@ -45,7 +45,6 @@ from serve_app.gpu.engine_client import (
 )
 from serve_app.gpu.engine_watch import EngineWatch, exit_soon, rss_bytes
 from serve_app.gpu.replica_voices import ReplicaVoices
-from serve_app.gpu.room_check import RoomCheck
 from serve_app.gpu.routing import routing_stats
 from serve_app.gpu.text_inbox import InboxReader, start_inbox
 from serve_app.hops import StreamTimeout, within
@@ -92,7 +91,6 @@ class Synthesizer:
         self._voices = ReplicaVoices(self._engine, VoiceStore(voice_store))
         self._watch = EngineWatch(self._engine)
         self._admission = BatchedAdmission(self._engine, first_chunk_timeout_s)
-        self._room = RoomCheck()
         self._admission.apply(BatchingConfig())
         self._ready = True
         logger.info("engine %s loaded and warmed", engine)
@@ -163,13 +161,12 @@ class Synthesizer:
     async def _admitted(self, request: SpeechRequest) -> AsyncIterator[AudioChunk | ApiError]:
         """Load the request's stored voice if need be, wait for the request's batch to be
         submitted, then relay its engine stream. A stream the engine has no room for (its
-        stats as last pushed, at most ~0.1 s old, less the streams let through since:
-        :class:`RoomCheck`) is refused at once: before its voice is loaded, and without a
-        submission, whose round trip to a busy engine would queue the rest of a burst behind
-        the refusals (read at 3x on an H200: seconds)."""
-        reason = self._room.refusal(self._engine.stats(), request.mode)
-        if reason is not None:
-            yield errors.overloaded(reason)
+        stats as last pushed, at most ~0.1 s old) is refused at once: before its voice is
+        loaded, and without a submission, whose round trip to a busy engine would queue the
+        rest of a burst behind the refusals (read at 3x on an H200: seconds)."""
+        stats = self._engine.stats()
+        if not stats.has_room(request.mode):
+            yield errors.overloaded(stats.refusal_reason(request.mode))
             return
         admitted = await self._voices.admit(request, self._admission)
         self._watch.waiting_for_admission.discard(request.request_id)
