@@ -67,18 +67,17 @@ class EngineStats:
     def headroom(self, kind: str = "read") -> float:
         """How many more streams of ``kind`` fit the real-time budget now (0 when none; a large
         number where the engine admits by slots alone)."""
-        room = self.work_room(kind)
+        room = self._work_room(kind)
         if self.work_limit <= 0 or room is None:
             return float(max(self.max_slots - self.active_streams - self.queued_streams, 0))
         return room if self.free_slots < 0 else min(room, float(self.free_slots))
 
-    def refusal_reason(self, kind: str = "read", used: float = 0.0) -> str:
-        """Why one more stream of ``kind`` does not fit (:meth:`has_room` is False, or the
-        headroom less ``used`` streams of that kind is under one)."""
-        room = self.work_room(kind)
-        return "work" if room is not None and room - used < 1 else "slots"
+    def refusal_reason(self, kind: str = "read") -> str:
+        """Why one more stream of ``kind`` does not fit (:meth:`has_room` is False)."""
+        room = self._work_room(kind)
+        return "work" if room is not None and room < 1 else "slots"
 
-    def work_room(self, kind: str) -> float | None:
+    def _work_room(self, kind: str) -> float | None:
         """Streams of ``kind`` the real-time budget has room for (None: no cost known)."""
         cost = getattr(self, f"{kind}_stream_load", 0.0)
         return max((self.work_limit - self.work_load) / cost, 0.0) if cost > 0 else None
