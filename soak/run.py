@@ -38,8 +38,8 @@ import yaml
 
 from harness.service import replicas, start_service, stop_service
 from soak.memory import MemorySampler
-from soak.payloads import (BAD_REQUESTS, SENTENCES, speech_request,
-                                    valid_audio)
+from bench.served.report import git_commit
+from soak.payloads import BAD_REQUESTS, SENTENCES, speech_request, valid_audio
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "soak"
@@ -307,7 +307,7 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
                if window is None or not window[0] <= t <= window[1]]
     ttfb = sorted(tally.ttfb_s)
     return {
-        "profile": "cpu (serve_config.cpu.yaml, piper)",
+        "profile": "cpu (serve_config.cpu.yaml, piper)", "git_commit": git_commit(),
         "duration_s": round(elapsed_s, 1),
         "concurrency": concurrency,
         "requests_sent": counts["requests_sent"],
