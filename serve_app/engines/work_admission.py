@@ -31,8 +31,13 @@ queued ahead, is refused at once (reason ``slots``): waiting for a stream to end
 waiting seconds.
 
 **Waiting**: a stream that cannot take a slot now may wait in the engine's queue only as long as
-its first audio can still come within ``first_audio_deadline_s``; past that it is refused
-(reason ``wait``), still before any work on it. At submission, a queue that already holds more
+its first audio can still come within ``first_audio_deadline_s``, its kind's recent first audio
+after admission taken at its 90th percentile (the tail, not the mean: the deadline bounds the
+admitted streams' TTFB p99), and never less than one step (every queued stream gets the next
+admission). A step's admission refuses the queued streams it did not start whose wait would
+outlast their allowance by the next one (reason ``wait``): a refusal comes at the last
+admission that could have started the stream, not after its allowance, and before any work on
+it. At submission, a queue that already holds more
 than that time's admissions refuses at once (reason ``queue``), at the pace it has been
 starting streams while it held more (holds and prefill budgets included), not the most a step
 may start: a queue that starts fewer would refuse them late.
@@ -70,7 +75,11 @@ ADMISSION_MODES = ("work", "slots")
 REFUSAL_REASONS = ("work", "wait", "queue", "behind", "slots")
 # New streams wait while the last steps' measured load (EWMA) is this far over the limit.
 MEASURED_SLACK = 0.1
-MIN_WAIT_STEPS = 2  # a queued stream may always wait this many steps for its slot
+MIN_WAIT_STEPS = 1  # a queued stream may always wait this many steps for its slot
+# The first audio after admission a queued stream's wait leaves room for: this quantile of each
+# kind's last FIRST_AUDIO_SAMPLES (Waiting).
+FIRST_AUDIO_QUANTILE = 0.9
+FIRST_AUDIO_SAMPLES = 200
 # The fit's assumed noise in one step's load (its std, as a share of the budget): the prior's
 # weight against the data.
 STEP_LOAD_NOISE = 0.05
@@ -187,7 +196,10 @@ class WorkAdmission:
         self.model = StepLoadModel([read, chat, 0.1 * read, 0.1 * read], intercept)
         self._committed = np.zeros(len(STREAM_KINDS))
         self._lock = threading.Lock()
-        self._first_audio_s = [0.0, 0.0]  # admission to first audio, read and chat (EWMA)
+        # admission to first audio, read and chat: the recent samples and their quantile
+        self._first_audio_samples = (collections.deque(maxlen=FIRST_AUDIO_SAMPLES),
+                                     collections.deque(maxlen=FIRST_AUDIO_SAMPLES))
+        self._first_audio_s = [0.0, 0.0]
         self._step_s = 0.0  # recent step time (EWMA)
         self.measured_load = 0.0  # recent steps' load as measured (EWMA), the model aside
         self.behind_hold_s = behind_hold_s
@@ -266,14 +278,14 @@ class WorkAdmission:
         with self._lock:
             return self._committed.copy()
 
-    def shortest_wait_s(self) -> float:
+    def shortest_wait_s(self, next_step: bool = False) -> float:
         """The shortest a queued stream of any kind may still wait, the hold left (Behind)
-        counted as waited (inf admitting by slots)."""
+        and with ``next_step`` a step counted as waited (inf admitting by slots)."""
         if not self.by_work:
             return math.inf
         with self._lock:
             return (min(self._wait_allowance_s(False), self._wait_allowance_s(True))
-                    - self._hold_left_s())
+                    - self._hold_left_s() - (self._step_s if next_step else 0.0))
 
     def holding(self) -> bool:
         """Whether queued streams wait for their slots (Behind): a stream ran dry lately, or
@@ -312,21 +324,23 @@ class WorkAdmission:
     def observe_first_audio(self, after_admission_s: float, chat: bool = False) -> None:
         """A stream's first audio came ``after_admission_s`` after it got its slot."""
         with self._lock:
-            last = self._first_audio_s[chat]
-            self._first_audio_s[chat] = (after_admission_s if not last
-                                         else 0.9 * last + 0.1 * after_admission_s)
+            samples = self._first_audio_samples[chat]
+            samples.append(after_admission_s)
+            self._first_audio_s[chat] = float(np.quantile(samples, FIRST_AUDIO_QUANTILE))
 
-    def expired(self, waits: Iterable[tuple[float, bool]]) -> list[bool]:
+    def expired(self, waits: Iterable[tuple[float, bool]], next_step: bool = False) -> list[bool]:
         """Which waiting streams can no longer have their first audio in time (``work`` mode
-        only): (seconds waited so far, chat or not) of each, in order. A hold (Behind) starts
-        no queued stream before it ends: a stream whose allowance ends first is refused now,
-        not when its allowance runs out (a refusal is quick, or it is not one)."""
+        only): (seconds waited so far, chat or not) of each, in order; with ``next_step``,
+        those that could not by the next step's admission either (the caller's admission just
+        passed them over). A hold (Behind) starts no queued stream before it ends: a stream
+        whose allowance ends first is refused now, not when its allowance runs out (a refusal
+        is quick, or it is not one)."""
         if not self.by_work:
             return [False for _ in waits]
         with self._lock:
             allowance = [self._wait_allowance_s(False), self._wait_allowance_s(True)]
-            hold_s = self._hold_left_s()
-        return [waited + hold_s > allowance[chat] for waited, chat in waits]
+            ahead_s = self._hold_left_s() + (self._step_s if next_step else 0.0)
+        return [waited + ahead_s > allowance[chat] for waited, chat in waits]
 
     def refuse_waiting(self, work: StreamWork) -> EngineOverloadedError:
         """A waiting stream is refused: its work leaves, and the refusal is counted."""

@@ -149,15 +149,29 @@ def test_a_waiting_stream_is_refused_once_its_first_audio_cannot_come_in_time():
     admission.observe_step(np.zeros(4), 0.0, 0.05)  # 50 ms steps
     assert admission.expired([(0.1, False), (0.29, False), (0.31, False), (2.0, False)]) == [
         False, False, True, True]
-    # a chat stream's first audio takes longer: it may wait less, but never under two steps
+    # a chat stream's first audio takes longer: it may wait less, but never under one step
     assert admission.expired([(0.09, True), (0.11, True)]) == [False, True]
     admission.observe_first_audio(0.9, chat=True)
-    assert admission.expired([(0.09, True), (0.11, True)]) == [False, True]
+    assert admission.expired([(0.04, True), (0.06, True)]) == [False, True]
+    # an admission that passed streams over refuses those the next one would start too late
+    assert admission.expired([(0.2, False), (0.26, False)], next_step=True) == [False, True]
+    assert admission.shortest_wait_s(next_step=True) == pytest.approx(0.0)
     admission.take([CLONED_CHAT])
     error = admission.refuse_waiting(CLONED_CHAT)
     assert error.reason == "wait"
     assert admission.snapshot()["refused_wait"] == 1
     assert admission.snapshot()["work_load"] == pytest.approx(admission.model.intercept)
+
+
+def test_the_wait_leaves_room_for_the_tail_of_first_audio_not_its_mean():
+    """Eight streams' first audio 0.1 s after admission and two's 0.4 s: a queued read stream's
+    allowance (0.5 s deadline) is what the slow fifth leaves (the mean would leave 0.34 s), so
+    the admitted streams' TTFB tail stays inside the deadline."""
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16)
+    admission.observe_step(np.zeros(4), 0.0, 0.02)  # 20 ms steps
+    for after_s in [0.1] * 8 + [0.4] * 2:
+        admission.observe_first_audio(after_s)
+    assert admission.expired([(0.09, False), (0.15, False)]) == [False, True]
 
 
 def test_a_queue_that_would_start_a_stream_too_late_refuses_it_at_once():

@@ -205,16 +205,17 @@ class Scheduler:
         """The running streams by kind (STREAM_KINDS counts), for the admission's step model."""
         return self._running.copy()
 
-    def expire_waiting(self, now: float) -> list[Stream]:
-        """Queued streams whose first audio can no longer come in time (admission by work):
-        out of the queue, their work released; the caller refuses them."""
+    def expire_waiting(self, now: float, next_step: bool = False) -> list[Stream]:
+        """Queued streams whose first audio can no longer come in time (admission by work;
+        with ``next_step``, not by the next step's admission either): out of the queue, their
+        work released; the caller refuses them."""
         with self.lock:
             oldest = self.pending[0].submitted_at if self.pending else now
-            if now - oldest <= self.work.shortest_wait_s():
+            if now - oldest <= self.work.shortest_wait_s(next_step):
                 return []  # the oldest has not waited past any allowance: none has
             # a streamed-text session's stream keeps its place (admitted at session.start)
             late = [gone and s.fed_text is None for s, gone in zip(self.pending, self.work.expired(
-                [(now - s.submitted_at, s.plan.is_chat) for s in self.pending]))]
+                [(now - s.submitted_at, s.plan.is_chat) for s in self.pending], next_step))]
             if not any(late):
                 return []
             expired = [s for s, gone in zip(self.pending, late) if gone]

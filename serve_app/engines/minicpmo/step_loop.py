@@ -246,6 +246,7 @@ class StepLoop:
         pass and speech schedules)."""
         budget = PrefillBudget(self.options.prefill_prompts, self.options.prefill_tokens)
         admitted = self.scheduler.admit_within(self._step_index, budget, self.admission.prompt_ids)
+        self.endings.refuse_late(time.perf_counter(), next_step=True)  # those it passed over
         self.record.admitted += admitted
         self.admission.start(admitted, budget.prompts)
 

@@ -52,10 +52,12 @@ class StreamEndings:
             stream.done = True
             send(self.outbox, stream, RequestAbortedError("aborted"))
 
-    def refuse_late(self, now: float) -> None:
+    def refuse_late(self, now: float, next_step: bool = False) -> None:
         """Refuse the queued streams whose first audio can no longer come in time (admission
-        by work): nothing was spent on them; each gets the engine's overload error."""
-        for stream in self.scheduler.expire_waiting(now):
+        by work; with ``next_step``, those an admission just passed over that could not start
+        in time at the next step's either): nothing was spent on them; each gets the engine's
+        overload error."""
+        for stream in self.scheduler.expire_waiting(now, next_step):
             self._release_voice(stream)
             stream.done = True
             send(self.outbox, stream, self.scheduler.work.refuse_waiting(stream.work))
