@@ -50,7 +50,8 @@ for a slot, so the engine catches up on what it holds instead of taking more; a 
 whose wait would outlast its allowance (Waiting) is refused at the next step, not once the
 allowance has run out. And a step whose listeners ran thin faster than it could cut their
 audio (``audio_cuts: on_demand``) starts no queued stream at the next: a ramp of new streams,
-each thin after its first chunk, paces itself to what the engine can keep fed. The model's
+each thin after its first chunk, paces itself to what the engine can keep fed; a new stream's
+projected wait counts that step. The model's
 projection alone cannot see what the engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
@@ -216,9 +217,11 @@ class WorkAdmission:
     # ---- callers' threads ------------------------------------------------------------------
 
     def take(self, works: Sequence[StreamWork], queued_ahead: int = 0,
-             admissions_per_step: int = 0) -> None:
+             admissions_per_step: int = 0, commit: bool = True) -> None:
         """Commit the work of new streams, all or none; raises :class:`EngineOverloadedError`
-        (``reason``) if they do not fit (in ``work`` mode; ``slots`` mode only counts)."""
+        (``reason``) if they do not fit (in ``work`` mode; ``slots`` mode only counts). Without
+        ``commit``, only the check (a refusal is counted): a caller's look before it spends
+        work on a request (its tokenization), which the committing take repeats."""
         added = sum((w.vector() for w in works), np.zeros(len(STREAM_KINDS)))
         with self._lock:
             if self.by_work:
@@ -236,14 +239,17 @@ class WorkAdmission:
                     self._refuse("behind", added)
                     raise EngineOverloadedError(
                         "the engine is catching up on the streams it holds", "behind")
-                if admissions_per_step and queued_ahead:
+                if admissions_per_step and (queued_ahead or self._thin):
+                    # the steps until its admission, and the next one if it holds the queue
                     per_step = min(admissions_per_step, self._drain_per_step or admissions_per_step)
-                    wait_s = math.ceil((queued_ahead + 1) / per_step) * self._step_s
+                    steps = math.ceil((queued_ahead + 1) / per_step) + self._thin
+                    wait_s = steps * self._step_s
                     if wait_s > max(self._wait_allowance_s(w.chat) for w in works):
                         self._refuse("queue", added)
                         raise EngineOverloadedError("the engine's queue would start it too late", "queue")
-            self._committed += added
-            self.counters.admitted += len(works)
+            if commit:
+                self._committed += added
+                self.counters.admitted += len(works)
 
     def refuse_now(self, works: Sequence[StreamWork], reason: str,
                    message: str) -> EngineOverloadedError:

@@ -95,8 +95,12 @@ def portable(exc: BaseException) -> BaseException:
 def submit_each(engine: Engine, requests: list[SpeechRequest], sink: OutputSink
                 ) -> list[InvalidRequestError | EngineOverloadedError | None]:
     """Submit ``requests`` together; if the engine refuses the batch, one by one, so one bad
-    request never sinks the others. Per request: None (admitted), or the exception that
+    request never sinks the others (an engine that admits each alone does it its way:
+    MiniCPM-o's ``submit_each_to``). Per request: None (admitted), or the exception that
     refused it."""
+    each = getattr(engine, "submit_each_to", None)
+    if each is not None:
+        return each(requests, sink)
     try:
         engine.submit_to(requests, sink)
         return [None] * len(requests)

@@ -214,8 +214,14 @@ def test_a_step_that_left_thin_listeners_uncut_pauses_the_queue_for_one_step():
     admission.observe_step(counts, 0.3, 0.05, uncut_thin=5)
     assert admission.holding()  # queued streams wait ...
     admission.take([READ])  # ... but a new one is still taken (no stream ran dry)
+    # unless the step it waits for would leave it too little time: refused at once
+    admission.observe_first_audio(0.44)  # 0.06 s left of the deadline: one step
+    with pytest.raises(EngineOverloadedError) as refused:
+        admission.take([READ], queued_ahead=0, admissions_per_step=16)
+    assert refused.value.reason == "queue"
     admission.observe_step(counts, 0.3, 0.05)
     assert not admission.holding()
+    admission.take([READ], queued_ahead=0, admissions_per_step=16)
 
 
 def test_without_a_hold_or_admitting_by_slots_a_dry_stream_changes_nothing():

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from serve_app.engines.base import EngineOverloadedError, SpeechRequest
+from serve_app.engines.base import EngineOverloadedError, InvalidRequestError, SpeechRequest
 from serve_app.engines.registry import create_engine
 from serve_app.engines.work_admission import REFUSAL_REASONS
 from tests.engines.contract import Sink
@@ -107,6 +107,37 @@ def test_a_refused_submission_touches_nothing(engine):
         for request_id in held:
             engine.abort(request_id)
         await asyncio.wait_for(sink.wait_ended(*held), HANG_GUARD_S)
+
+    asyncio.run(offer())
+    assert engine.stats().work_load < engine.stats().work_limit
+
+
+def test_a_batch_at_overload_is_admitted_and_refused_request_by_request(engine):
+    """The served path submits ``@serve.batch`` batches (``engine_process.submit_each``): at
+    overload the engine admits what fits and refuses the rest of the batch, each request
+    alone, and an invalid request in it is refused for what it is, not for load; nothing it
+    refused was started, and what it admitted is spoken to its end."""
+    from serve_app.gpu.engine_process import submit_each
+
+    async def offer() -> None:
+        sink = Sink()
+        batch = [request() for _ in range(OFFERED)]
+        batch.insert(1, SpeechRequest(request_id=f"work-{next(_ids)}", text=TEXT,
+                                      voice="no-such-voice"))
+        outcomes = submit_each(engine, batch, sink)
+        assert isinstance(outcomes[1], InvalidRequestError)
+        admitted = [one.request_id for one, outcome in zip(batch, outcomes) if outcome is None]
+        refused = [one for one, outcome in zip(batch, outcomes)
+                   if isinstance(outcome, EngineOverloadedError)]
+        assert admitted and refused
+        assert len(admitted) + len(refused) == OFFERED
+        assert all(outcome.reason in ("work", "queue", "slots")
+                   for outcome in outcomes if isinstance(outcome, EngineOverloadedError))
+        await asyncio.wait_for(sink.wait_ended(*admitted), HANG_GUARD_S)
+        assert not any(sink.of(one.request_id) for one in refused)
+        assert not sink.of(batch[1].request_id)
+        for request_id in admitted:
+            assert len(sink.of(request_id)) >= 1
 
     asyncio.run(offer())
     assert engine.stats().work_load < engine.stats().work_limit

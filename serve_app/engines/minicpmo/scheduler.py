@@ -146,34 +146,45 @@ class Scheduler:
 
     # ---- callers' threads ------------------------------------------------------------------
 
+    def check_room(self, work: StreamWork) -> None:
+        """Raise the refusal :meth:`enqueue` would give a stream of ``work`` now, for load
+        (queue, slots, the real-time budget), taking nothing: the check before a request is
+        planned, so a refused one costs no tokenization."""
+        with self.lock:
+            self._check_room([work], commit=False)
+
     def enqueue(self, streams: list[Stream]) -> None:
         """Queue new streams, all or none: raises when the queue is full, their work does not
         fit the engine's real-time budget (:class:`WorkAdmission`) or an id is taken."""
         with self.lock:
-            if len(self.pending) + len(streams) > self._max_queued:
-                raise EngineOverloadedError("engine queue is full", "queue")
             ids = [s.request_id for s in streams]
             if len(set(ids)) < len(ids) or any(
                     i in self.active or any(s.request_id == i for s in self.pending) for i in ids):
                 raise InvalidRequestError("duplicate request id", "request_id")
-            if self.work.by_work:
-                self._refuse_without_slots(streams)
-            self.work.take([s.work for s in streams], queued_ahead=len(self.pending),
-                           admissions_per_step=self._admissions_per_step)
+            self._check_room([s.work for s in streams])
             for stream in streams:
                 stream.committed = True
             self.pending.extend(streams)
             self._streamed.update((s.request_id, s) for s in streams if s.fed_text is not None)
 
-    def _refuse_without_slots(self, streams: list[Stream]) -> None:
+    def _check_room(self, works: list[StreamWork], commit: bool = True) -> None:
+        """The queue's room, the slots' (admitting by work) and the budget's for new streams;
+        with ``commit``, their work is taken (under the lock)."""
+        if len(self.pending) + len(works) > self._max_queued:
+            raise EngineOverloadedError("engine queue is full", "queue")
+        if self.work.by_work:
+            self._refuse_without_slots(works)
+        self.work.take(works, queued_ahead=len(self.pending),
+                       admissions_per_step=self._admissions_per_step, commit=commit)
+
+    def _refuse_without_slots(self, works: list[StreamWork]) -> None:
         """Admitting by work, new streams need free slots beyond those the queue will take
         (a chat stream an LLM slot too); else they are refused now (under the lock)."""
-        chat = sum(s.plan.is_chat for s in streams)
+        chat = sum(w.chat for w in works)
         queued_chat = sum(s.plan.is_chat for s in self.pending)
-        if (len(self.pending) + len(streams) > len(self._free_slots)
+        if (len(self.pending) + len(works) > len(self._free_slots)
                 or queued_chat + chat > len(self._free_llm_slots)):
-            raise self.work.refuse_now([s.work for s in streams], "slots",
-                                       "every stream slot is taken")
+            raise self.work.refuse_now(works, "slots", "every stream slot is taken")
 
     def feed(self, request_id: str, delta: str, done: bool) -> None:
         """Hand text to a streamed request (see :meth:`Engine.feed_text` for the errors)."""

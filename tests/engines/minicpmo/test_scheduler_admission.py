@@ -9,7 +9,7 @@ import pytest
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.minicpmo.scheduler import Scheduler, Stream, StreamPlan
 from serve_app.engines.streamed_text import StreamedText
-from serve_app.engines.work_admission import WorkAdmission
+from serve_app.engines.work_admission import StreamWork, WorkAdmission
 
 TEXT = "A slot for every stream it takes."
 
@@ -76,3 +76,16 @@ def test_its_stats_say_how_many_slots_are_free_and_the_headroom_counts_them():
     full = gate.stats()
     assert not full.has_room("read") and full.refusal_reason("read") == "slots"
     assert scheduler("slots").stats().free_slots == -1  # admitting by slots it queues
+
+
+def test_the_look_before_planning_refuses_as_the_queue_would_and_takes_nothing():
+    gate = scheduler("work")
+    gate.check_room(StreamWork())  # room: nothing is taken by looking
+    assert gate.stats().queued_streams == 0 and gate.stats().admitted_streams == 0
+    gate.enqueue([stream("a")])
+    gate.enqueue([stream("b")])
+    with pytest.raises(EngineOverloadedError) as refused:
+        gate.check_room(StreamWork())  # both slots taken by the queue
+    assert refused.value.reason == "slots"
+    assert gate.stats().refused_slots == 1
+    assert gate.stats().queued_streams == 2
