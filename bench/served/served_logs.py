@@ -19,13 +19,17 @@ INGRESS_LINE = re.compile(r"request id=(\S+) .*? ttfb_ms=([\d.]+)"
 SYNTHESIZER_LINE = re.compile(
     r"first audio of stream=(\S+) replica_ttfb_ms=([\d.]+) engine_ttfb_ms=([\d.]+|-)"
     r"(?: engine_sent_ms=([\d.]+|-) replica_received_ms=([\d.]+|-)"
-    r" replica_dispatched_ms=([\d.]+|-))?(?: engine_sending_ms=([\d.]+|-))?")
+    r" replica_dispatched_ms=([\d.]+|-))?(?: engine_sending_ms=([\d.]+|-))?"
+    r"(?: replica_admitted_ms=([\d.]+|-))?")
 # The Synthesizer replica's leg of a first chunk, split by the clock readings its log line
 # carries (ms since the request reached the replica): name -> (later reading, earlier one).
 REPLICA_LEG = {
     # arrival -> the engine process submitted it (its send time minus the engine's own TTFB):
     # @serve.batch admission and the submission to the engine process
     "to_engine_ms": ("sent", "engine"),
+    # ... split: arrival -> the engine's answer to its submission came back (the replica's
+    # room check, @serve.batch's queue, the submission's round trip) ...
+    "to_admission_ms": ("admitted", "arrival"),
     # the engine process's sink took the chunk -> the replica's reader thread read it; split:
     "engine_to_reader_ms": ("received", "sent"),
     # ... the sink took it -> the engine's sender thread began writing it (pickling on the step
@@ -88,7 +92,7 @@ def ttfb_breakdown(log_text: str, rows: list[dict[str, Any]]) -> dict[str, Any] 
     ingress = {rid: float(m[2]) for rid, m in ingress_lines.items()}
     readings = {m[1]: {"replica": float(m[2]), "engine": _reading(m[3]), "sent": _reading(m[4]),
                        "received": _reading(m[5]), "dispatched": _reading(m[6]),
-                       "sending": _reading(m[7])}
+                       "sending": _reading(m[7]), "admitted": _reading(m[8]), "arrival": 0.0}
                 for m in SYNTHESIZER_LINE.finditer(log_text)}
     ok = [r for r in rows if r.get("ok") and r.get("ttfb_s") is not None]
     joined = [(r["ttfb_s"] * 1000, ingress[r["request_id"]],

@@ -10,6 +10,7 @@ and change live through ``user_config`` (:meth:`BatchedAdmission.apply`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import Any, AsyncIterator
 
@@ -28,6 +29,9 @@ from serve_app.gpu.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
+# A submission whose answer takes longer is logged (the engine process's loop shares its GIL
+# with the step thread).
+SLOW_SUBMISSION_S = 0.05
 # A request's engine stream, or the ApiError that refused it.
 Admitted = AsyncIterator[AudioChunk] | ApiError
 
@@ -87,11 +91,16 @@ class BatchedAdmission:
     async def _admit_batch(self, requests: list[SpeechRequest]) -> list[Admitted]:
         """Batched body: submit the batch and hand each request its stream; returns at once."""
         self.batch_sizes[len(requests)] += 1
+        started_s = time.perf_counter()
         try:
             # One bad request never sinks its batch: the engine process refuses it alone.
             outcomes = await self._engine.submit(requests)
         except Exception as exc:  # the engine process is gone (or failed the whole call)
             return [refused(request.request_id, exc) for request in requests]
+        round_trip_s = time.perf_counter() - started_s
+        if round_trip_s > SLOW_SUBMISSION_S:  # the engine process answers late: say so
+            logger.info("slow submission: batch=%d round_trip_ms=%.1f", len(requests),
+                        round_trip_s * 1000)
         return [refused(request.request_id, outcome) if isinstance(outcome, Exception)
                 else outcome for request, outcome in zip(requests, outcomes)]
 

@@ -40,6 +40,7 @@ from serve_app.gpu.admission import BatchedAdmission, refused
 from serve_app.gpu.engine_client import (
     ENGINE_TTFB_TIMINGS,
     WAY_BACK_CLOCKS,
+    is_first_chunk,
     EngineClient,
     EngineDeadError,
 )
@@ -56,6 +57,8 @@ from serve_app.voices.store import VoiceStore
 logger = logging.getLogger(__name__)
 
 StreamItem = AudioChunk | ApiError | StreamUsage | TextInputOpen
+# A first chunk's clock reading (time.perf_counter) of the engine's answer to its submission.
+ADMITTED_CLOCK = "clock_replica_admitted"
 
 
 # Fractional CPU by default so the whole app fits two cores; the YAML overrides per profile.
@@ -169,6 +172,7 @@ class Synthesizer:
             yield errors.overloaded(stats.refusal_reason(request.mode))
             return
         admitted = await self._voices.admit(request, self._admission)
+        admitted_at_s = time.perf_counter()  # the engine's answer to the submission came
         self._watch.waiting_for_admission.discard(request.request_id)
         if isinstance(admitted, ApiError):
             yield admitted
@@ -178,6 +182,8 @@ class Synthesizer:
             yield TextInputOpen(serve.get_replica_context().replica_id.unique_id,
                                 self._text.inbox)
         async for chunk in admitted:
+            if is_first_chunk(chunk):
+                chunk.timings_s[ADMITTED_CLOCK] = admitted_at_s
             yield chunk
 
     async def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray | ApiError:
@@ -249,11 +255,11 @@ def _log_first_chunk(request_id: str, arrived_s: float, replica_ttfb_s: float,
     timings = chunk.timings_s
     engine_s = next((timings[name] for name in ENGINE_TTFB_TIMINGS if name in timings), None)
 
-    sent, sending, received, dispatched = (
+    sent, sending, received, dispatched, admitted = (
         f"{(timings[name] - arrived_s) * 1000:.1f}" if name in timings else "-"
-        for name in WAY_BACK_CLOCKS)
+        for name in (*WAY_BACK_CLOCKS, ADMITTED_CLOCK))
     logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s "
                 "engine_sent_ms=%s replica_received_ms=%s replica_dispatched_ms=%s "
-                "engine_sending_ms=%s", request_id, replica_ttfb_s * 1000,
+                "engine_sending_ms=%s replica_admitted_ms=%s", request_id, replica_ttfb_s * 1000,
                 "-" if engine_s is None else f"{engine_s * 1000:.1f}", sent, received,
-                dispatched, sending)
+                dispatched, sending, admitted)

@@ -14,7 +14,7 @@ from bench.served.served_logs import REPLICA_LEG, engine_busy, ttfb_breakdown
 from serve_app.engines.base import AudioChunk
 from serve_app.front.guard import RequestRecord
 from serve_app.gpu.engine_client import stamp_way_back
-from serve_app.gpu.synthesizer import _log_first_chunk
+from serve_app.gpu.synthesizer import ADMITTED_CLOCK, _log_first_chunk
 
 
 def _first_chunk_line(caplog, request_id: str, engine_ttfb_s: float, sent_after_s: float,
@@ -26,6 +26,8 @@ def _first_chunk_line(caplog, request_id: str, engine_ttfb_s: float, sent_after_
                        timings_s={"ttfb_s": engine_ttfb_s})
     stamp_way_back(chunk, arrived_s + sent_after_s, arrived_s + sending_after_s,
                    arrived_s + read_after_s)
+    # the engine's answer to the submission came 2 ms after the engine took the stream
+    chunk.timings_s[ADMITTED_CLOCK] = arrived_s + sent_after_s - engine_ttfb_s + 0.002
     replica_ttfb_s = time.perf_counter() - arrived_s
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="serve_app.gpu.synthesizer"):
@@ -48,6 +50,7 @@ def test_the_replica_leg_is_split_at_each_clock_reading(caplog):
     leg = result["replica_leg"]
     assert set(leg) == set(REPLICA_LEG)
     assert leg["to_engine_ms"]["p50"] == 10.0  # sent at 50 ms, 40 ms after the submission
+    assert leg["to_admission_ms"]["p50"] == 12.0  # and its answer back 2 ms after that
     assert leg["engine_to_reader_ms"]["p50"] == 10.0
     # ... of which 3 ms before the engine's sender began writing it, 7 ms on the socket
     assert leg["engine_to_sender_ms"]["p50"] == 3.0
