@@ -71,6 +71,10 @@ logger = logging.getLogger("serve_app.gpu.engine_process")
 STATS_INTERVAL_S = 0.1
 
 
+# A submission read this long before its answer was queued is logged (engine log).
+SLOW_SUBMISSION_S = 0.02
+
+
 def engine_info(engine: Engine, name: str) -> EngineInfo:
     """What the replica needs to know about the engine without asking each time."""
     return EngineInfo(
@@ -161,7 +165,7 @@ class EngineServer:
                 # The replica is gone (killed, crashed): nobody is left to serve.
                 logger.warning("replica closed the connection; engine process exits")
                 os._exit(0)
-            self._loop.call_soon_threadsafe(self._handle, message)
+            self._loop.call_soon_threadsafe(self._handle, message, time.perf_counter())
             if isinstance(message, Close):
                 return
 
@@ -179,11 +183,17 @@ class EngineServer:
         """Pickle ``message`` here (its audio stays out of band); the sender thread writes it."""
         self._sends.put(engine_wire.encode(message))
 
-    def _handle(self, message: object) -> None:
+    def _handle(self, message: object, received_s: float = 0.0) -> None:
         if isinstance(message, Abort):
             self._engine.abort(message.request_id)
         elif isinstance(message, Submit):
+            handled_s = time.perf_counter()
             self._answer(message.call_id, self._submit, (message.requests,))
+            done_s = time.perf_counter()
+            if done_s - received_s > SLOW_SUBMISSION_S:  # where a slow answer's time went
+                logger.info("slow submission: requests=%d loop_wait_ms=%.1f handled_ms=%.1f",
+                            len(message.requests), (handled_s - received_s) * 1000,
+                            (done_s - handled_s) * 1000)
         elif isinstance(message, Call):
             method = self._calls.get(message.method)
             if method is None:
