@@ -216,8 +216,8 @@ def finish(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def merged(paths: list[Path]) -> dict[str, Any]:
     """Runs joined, in order: the last's facts, every run's levels (each with its run's
-    commit; a later run's level of the same mix and load replaces an earlier one's) and the
-    last run's sessions."""
+    commit, or the one it already names: a merged file's; a later run's level of the same mix
+    and load replaces an earlier one's) and the last run's sessions."""
     parts = [json.loads(path.read_text()) for path in paths]
     result = {**parts[-1], "merged_from": [f"{part['git_commit']}: {part['command']}"
                                           for part in parts]}
@@ -225,12 +225,13 @@ def merged(paths: list[Path]) -> dict[str, Any]:
         joined: dict[tuple[str, float], dict[str, Any]] = {}
         for part in parts:
             for level in part.get(key, []):
-                joined[(level["mix"], level["offered_x"])] = {**level,
-                                                              "git_commit": part["git_commit"]}
+                joined[(level["mix"], level["offered_x"])] = {
+                    **level, "git_commit": level.get("git_commit", part["git_commit"])}
         result[key] = sorted(joined.values(), key=lambda level: (level["mix"], level["offered_x"]))
     for part in parts:
         if "sessions" in part:
-            result["sessions"] = {**part["sessions"], "git_commit": part["git_commit"]}
+            result["sessions"] = {**part["sessions"], "git_commit": part["sessions"].get(
+                "git_commit", part["git_commit"])}
     return result
 
 

@@ -3,10 +3,12 @@ arrivals a level offers, each stream's fate, a level's figures and the acceptanc
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.overload.levels import StreamFate, arrivals, summarize
-from bench.overload.run import acceptance
+from bench.overload.run import acceptance, merged
 
 
 def test_a_level_offers_its_mix_at_the_rate_that_holds_its_capacity():
@@ -83,3 +85,22 @@ def test_a_refusals_time_is_split_at_the_ingress_by_its_log_line():
     assert split["ingress_ms"]["p50"] == 47.0
     assert split["outside_ingress_ms"]["p50"] == 8.0  # (6 + 10) / 2
     assert refusal_breakdown("", refused) is None
+
+
+def test_merged_runs_keep_each_levels_own_commit(tmp_path):
+    """A merged file merged again keeps the commit each level was measured at; a later run's
+    level of the same mix and load replaces the earlier one."""
+    old = {"git_commit": "bbb", "command": "merge", "sessions": {"offered": 1, "git_commit": "aaa"},
+           "levels": [{"mix": "read", "offered_x": 1.0, "git_commit": "aaa"},
+                      {"mix": "read", "offered_x": 2.0, "git_commit": "bbb"}],
+           "slots_levels": [{"mix": "read", "offered_x": 1.0, "git_commit": "aaa"}]}
+    new = {"git_commit": "ccc", "command": "run", "levels": [{"mix": "read", "offered_x": 2.0}]}
+    paths = [tmp_path / "old.json", tmp_path / "new.json"]
+    for path, part in zip(paths, (old, new)):
+        path.write_text(json.dumps(part))
+    result = merged(paths)
+    assert [(level["offered_x"], level["git_commit"]) for level in result["levels"]] == [
+        (1.0, "aaa"), (2.0, "ccc")]
+    assert result["slots_levels"][0]["git_commit"] == "aaa"
+    assert result["sessions"]["git_commit"] == "aaa"
+    assert result["git_commit"] == "ccc"
