@@ -160,3 +160,35 @@ def test_a_paced_stream_lives_as_long_as_its_audio_plays() -> None:
         sent_s += chunk.duration_s
     assert all(count == 1 for count in active[:-1])  # held in its slot until its last chunk
     np.testing.assert_array_equal(_audio(chunks), _audio(plain_chunks))
+
+
+def test_a_new_streams_first_piece_goes_before_the_held_streams_turns() -> None:
+    """One row a step and four long streams held: a stream submitted now gets its first piece
+    at the next step (after the step already running, and a chunk its reader had not taken
+    yet), not after every held stream's turn (four more)."""
+    text = " ".join(f"Sentence number {n} of a long text keeps this stream busy." for n in range(12))
+    engine = PiperEngine.from_options(max_batch_size=1, admission="slots")
+
+    async def run() -> list[str]:
+        order: list[str] = []
+
+        async def drain(name: str, stream) -> None:
+            async for chunk in stream:
+                if len(chunk.samples):
+                    order.append(name)
+
+        held = [asyncio.create_task(drain(name, stream)) for name, stream in zip(
+            "abcd", engine.submit([_request(f"held-{n}", text=text, seed=1) for n in "abcd"]))]
+        while set(order) != set("abcd"):  # every held stream has spoken
+            await asyncio.sleep(0.01)
+        submitted_at = len(order)
+        [new] = engine.submit([_request("new", text=text, seed=1)])
+        await drain("new", new)
+        await asyncio.gather(*held)
+        return order[submitted_at:]
+
+    try:
+        after = asyncio.run(run())
+    finally:
+        engine.close()
+    assert after.index("new") <= 2, after[:8]

@@ -251,10 +251,14 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             self._work.release(_work_of(stream.request))
 
     def _next_streams(self) -> list[PiperStream]:
-        """Round robin: the first ``max_batch_size`` streams, then move them to the back."""
+        """Round robin: the first ``max_batch_size`` streams, then move them to the back; a
+        stream with no audio out yet goes first (its listener waits with nothing, the others
+        play what they have), so a new stream's first audio does not wait its turn behind
+        every stream held (CPU profile, read 3x: TTFB p99 2.6 s at 24 held)."""
         now = time.monotonic()
         chosen: list[PiperStream] = []
-        for stream in list(self._streams.values()):
+        held = list(self._streams.values())
+        for stream in [s for s in held if not s.chunks_sent] + [s for s in held if s.chunks_sent]:
             if len(chosen) == self.max_batch_size:
                 break
             if self._faults is not None and not self._inject_fault(stream):
