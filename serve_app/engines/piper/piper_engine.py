@@ -11,7 +11,8 @@ Streaming and batching:
   cut at a comma if one fits) for a low time to first audio. Each piece is one
   :class:`AudioChunk`.
 - One step loop serves every admitted stream (continuous batching): each step takes the next
-  piece of up to ``max_batch_size`` streams, round robin, and runs them as one padded ONNX batch
+  piece of up to ``max_batch_size`` streams, round robin (streams with no audio out yet first),
+  and runs them as one padded ONNX batch
   (``input`` [batch, phonemes] with ``input_lengths``); a stream submitted mid-flight joins at the
   next step. Batch > 1 reads each row's length from the duration tensor that piper's
   ``add_alignment_output`` exposes (needs ``onnx``; else batch 1); a padded row matches the piece
