@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.served.report import git_commit
+from harness.service import git_commit
 from fleet.autoscaling_cluster import FRONT, AutoscalingLocalCluster
 from fleet.cluster_demo import replica_states, wait_until
 from harness.stream_clients import KINDS, StreamOutcome, one_stream

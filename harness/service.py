@@ -208,3 +208,14 @@ def replica_states(app_name: str = APP_NAME) -> dict[str, int]:
         return {}
     states = app.deployments[DEPLOYMENT].replica_states
     return {str(getattr(state, "value", state)): count for state, count in states.items() if count}
+
+
+def git_commit() -> str:
+    """The commit a measurement ran at: ``BENCH_GIT_COMMIT`` (set where the tree is a copy
+    without its history, as on the GPU machine), else the checkout's HEAD, else "unknown"."""
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -36,9 +36,8 @@ from typing import Any
 import httpx
 import yaml
 
-from harness.service import replicas, start_service, stop_service
+from harness.service import git_commit, replicas, start_service, stop_service
 from soak.memory import MemorySampler
-from bench.served.report import git_commit
 from soak.payloads import BAD_REQUESTS, SENTENCES, speech_request, valid_audio
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,8 +39,8 @@ from bench.autoscale.readings import StatePoller, metrics_url
 from bench.autoscale.report import WINDOW_S, plot, summarize
 from bench.served.config import bench_config
 from bench.served.config import parse_args as bench_serve_args
-from bench.served.report import git_commit, gpu_name
-from harness.service import ROOT, start_service, stop_service
+from bench.served.report import gpu_name
+from harness.service import ROOT, git_commit, start_service, stop_service
 POLICY = "serve_app.gpu.autoscaling:EngineQueuePolicy"
 
 

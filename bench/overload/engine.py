@@ -33,8 +33,8 @@ import yaml
 from bench.overload.levels import LEVELS_X, MIXES, StreamFate, level_schedules, percentile, summarize
 from bench.overload.run import acceptance
 from bench.served.arrivals import CHAT_TEXT, READ_TEXT
-from bench.served.report import git_commit, gpu_name
-from harness.service import ROOT
+from bench.served.report import gpu_name
+from harness.service import ROOT, git_commit
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
 from serve_app.engines.minicpmo.engine import MiniCPMOEngine
 from serve_app.engines.work_admission import REFUSAL_REASONS

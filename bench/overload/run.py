@@ -38,9 +38,9 @@ from bench.overload.levels import (
 from bench.served.config import bench_config
 from bench.served.config import parse_args as serve_args
 from bench.served.measure import read_from
-from bench.served.report import git_commit, gpu_name
+from bench.served.report import gpu_name
 from bench.served.served_logs import percentile, ttfb_breakdown
-from harness.service import ROOT, start_service, stop_service
+from harness.service import ROOT, git_commit, start_service, stop_service
 
 # Per mix, the bars the acceptance names (at 2x and 3x, against the same rule's 1x).
 GOODPUT_SHARE = 0.9

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.service import ROOT
+
 REALTIME_SHARE = 0.99
 TTFB_P99_LIMIT_MS = 500.0
 
@@ -100,15 +101,6 @@ def gpu_name() -> str:
                                        text=True).splitlines()[0].strip()
     except (OSError, subprocess.CalledProcessError):
         return "cpu"
-
-
-def git_commit() -> str:
-    if os.environ.get("BENCH_GIT_COMMIT"):
-        return os.environ["BENCH_GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,14 +40,13 @@ from bench.served.report import (
     compare,
     engine_part,
     event_loop,
-    git_commit,
     gpu_name,
     headline,
     merge,
     plot,
     single_stream_voices,
 )
-from harness.service import ROOT, start_service, stop_service
+from harness.service import ROOT, git_commit, start_service, stop_service
 
 
 def main(argv: list[str] | None = None) -> int:

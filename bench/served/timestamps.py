@@ -41,9 +41,9 @@ from bench.served.arrivals import stream_request
 from bench.served.config import bench_config
 from bench.served.config import parse_args as served_args
 from bench.served.measure import register_voices, run_level, warm_up
-from bench.served.report import REALTIME_SHARE, git_commit, gpu_name
+from bench.served.report import REALTIME_SHARE, gpu_name
 from bench.served.report import headline as served_headline
-from harness.service import ROOT, start_service, stop_service
+from harness.service import ROOT, git_commit, start_service, stop_service
 
 NOISE_RULE = ("noise = max - min of the off runs (run before the first on run and after each, "
               "nothing changed between them); within_noise: |mean(on runs) - mean(off runs)| "
