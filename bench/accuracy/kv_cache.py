@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.engine.report import git_commit
+from harness.service import git_commit
 from serve_app.engines.minicpmo.device.audio_step import (
     TTS_TEMPERATURE,
     AudioStepInputs,

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bench.accuracy.kv_cache import kl, load, summary
-from bench.engine.report import git_commit
+from harness.service import git_commit
 from serve_app.engines.minicpmo.device.graphs import shortest_span
 from serve_app.engines.minicpmo.device.llm_step import (
     LLMStepInputs,

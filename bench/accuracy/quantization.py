@@ -30,7 +30,7 @@ from torch import nn
 
 from bench.engine.compare_quantization import free_gpu, prompt_logits
 from bench.engine.measure import build_engine, run_level
-from bench.engine.report import git_commit
+from harness.service import git_commit
 from serve_app.engines.minicpmo.model.quantization import (
     INT4_GROUP_SIZE,
     Int4Weight,

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from bench.engine.measure import build_engine, run_level, single_stream
-from bench.engine.report import ROOT, git_commit, realtime_streams
+from bench.engine.report import ROOT, realtime_streams
+from harness.service import git_commit
 from bench.engine.roofline import tensor_bytes
 from serve_app.engines.minicpmo.model.layers import SlotKVCache, StepInputs, causal_attend
 from serve_app.engines.minicpmo.model.quantization import quantize_llm

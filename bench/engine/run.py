@@ -45,7 +45,8 @@ import torch
 from bench.engine.compare_quantization import compare_quantization
 from bench.engine.measure import build_engine, measure_engine, register_voices, single_stream
 from bench.engine.measure import measure_mixed, single_stream_in_voices
-from bench.engine.report import ROOT, git_commit, headline, merge_results, plot
+from bench.engine.report import ROOT, headline, merge_results, plot
+from harness.service import git_commit
 from bench.engine.roofline import GPUS, ModelSizes, roofline
 from serve_app.engines.minicpmo.engine import EngineOptions
 from serve_app.engines.minicpmo.model.layers import ONE_QUERY_KERNELS

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.engine.report import git_commit
+from harness.service import git_commit
 from serve_app.engines.minicpmo.model.gptq import (
     GPTQConfig,
     dequantize_gptq_linear,

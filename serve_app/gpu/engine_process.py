@@ -98,25 +98,18 @@ def portable(exc: BaseException) -> BaseException:
 
 def submit_each(engine: Engine, requests: list[SpeechRequest], sink: OutputSink
                 ) -> list[InvalidRequestError | EngineOverloadedError | None]:
-    """Submit ``requests`` together; if the engine refuses the batch, one by one, so one bad
-    request never sinks the others (an engine that admits each alone does it its way:
-    MiniCPM-o's ``submit_each_to``). Per request: None (admitted), or the exception that
-    refused it."""
-    each = getattr(engine, "submit_each_to", None)
-    if each is not None:
-        return each(requests, sink)
-    try:
-        engine.submit_to(requests, sink)
-        return [None] * len(requests)
-    except (InvalidRequestError, EngineOverloadedError):
-        outcomes: list[InvalidRequestError | EngineOverloadedError | None] = []
-        for request in requests:
-            try:
-                engine.submit_to([request], sink)
-                outcomes.append(None)
-            except (InvalidRequestError, EngineOverloadedError) as exc:
-                outcomes.append(exc)
-        return outcomes
+    """Submit ``requests`` one by one, each admitted or refused alone, so one bad request
+    never sinks the others and one that does not fit takes none with it (a batch taken all or
+    none, then again one by one, did each request's work twice). Per request: None
+    (admitted), or the exception that refused it."""
+    outcomes: list[InvalidRequestError | EngineOverloadedError | None] = []
+    for request in requests:
+        try:
+            engine.submit_to([request], sink)
+            outcomes.append(None)
+        except (InvalidRequestError, EngineOverloadedError) as exc:
+            outcomes.append(exc)
+    return outcomes
 
 
 class EngineServer:

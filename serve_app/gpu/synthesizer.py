@@ -40,7 +40,6 @@ from serve_app.gpu.admission import BatchedAdmission, refused
 from serve_app.gpu.engine_client import (
     ENGINE_TTFB_TIMINGS,
     WAY_BACK_CLOCKS,
-    is_first_chunk,
     EngineClient,
     EngineDeadError,
 )
@@ -172,7 +171,7 @@ class Synthesizer:
             yield errors.overloaded(stats.refusal_reason(request.mode))
             return
         admitted = await self._voices.admit(request, self._admission)
-        admitted_at_s = time.perf_counter()  # the engine's answer to the submission came
+        admitted_at_s: float | None = time.perf_counter()  # the engine's answer came
         self._watch.waiting_for_admission.discard(request.request_id)
         if isinstance(admitted, ApiError):
             yield admitted
@@ -182,8 +181,8 @@ class Synthesizer:
             yield TextInputOpen(serve.get_replica_context().replica_id.unique_id,
                                 self._text.inbox)
         async for chunk in admitted:
-            if is_first_chunk(chunk):
-                chunk.timings_s[ADMITTED_CLOCK] = admitted_at_s
+            if admitted_at_s is not None:  # the first chunk (later ones are joined behind it)
+                chunk.timings_s[ADMITTED_CLOCK], admitted_at_s = admitted_at_s, None
             yield chunk
 
     async def embed_voice(self, samples: np.ndarray, sample_rate_hz: int) -> np.ndarray | ApiError:

@@ -20,8 +20,8 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 import torch
 
-from ..base import (AudioChunk, EngineOverloadedError, EngineStats, InvalidRequestError,
-                    OutputSink, SpeechRequest, SubmitsIterators, refuse_unsupported)
+from ..base import (AudioChunk, EngineStats, OutputSink, SpeechRequest, SubmitsIterators,
+                    refuse_unsupported)
 from ..streamed_text import StreamedText
 from ..text_rule import MAX_TEXT_CHARS
 from ..work_admission import StreamWork, WorkAdmission
@@ -207,29 +207,13 @@ class MiniCPMOEngine(SubmitsIterators):
     def submit_to(self, requests: list[SpeechRequest], sink: OutputSink) -> None:
         for request in requests:
             self.validate(request)
+        # a look at the engine's room before the tokenization a refusal would waste
+        self._scheduler.check_room(*(StreamWork(chat=r.mode == "chat",
+                                                streamed=r.text_input == "streamed")
+                                     for r in requests))
         if self._benchmark is not None:
             requests = [self._benchmark.fix_lengths(r) for r in requests]
         self.submit_plans_to([self.plan(r) for r in requests], sink)
-
-    def submit_each_to(self, requests: list[SpeechRequest], sink: OutputSink
-                       ) -> list[InvalidRequestError | EngineOverloadedError | None]:
-        """Submit ``requests`` one by one, each admitted or refused alone (None, or the error
-        that refused it): one that does not fit costs a look at the engine's room, never its
-        tokenization, and does not take the rest of its batch with it (the served path's
-        ``@serve.batch`` submissions at overload, ``serve_app/gpu/engine_process.py``)."""
-        outcomes: list[InvalidRequestError | EngineOverloadedError | None] = []
-        for request in requests:
-            try:
-                self.validate(request)
-                self._scheduler.check_room(StreamWork(chat=request.mode == "chat",
-                                                      streamed=request.text_input == "streamed"))
-                if self._benchmark is not None:
-                    request = self._benchmark.fix_lengths(request)
-                self.submit_plans_to([self.plan(request)], sink)
-                outcomes.append(None)
-            except (InvalidRequestError, EngineOverloadedError) as exc:
-                outcomes.append(exc)
-        return outcomes
 
     def submit_plans(self, plans: Sequence[StreamPlan]) -> list[AsyncIterator[AudioChunk]]:
         """Admit prepared plans (the golden tests feed upstream's exact prompt and pieces)."""

@@ -146,12 +146,12 @@ class Scheduler:
 
     # ---- callers' threads ------------------------------------------------------------------
 
-    def check_room(self, work: StreamWork) -> None:
-        """Raise the refusal :meth:`enqueue` would give a stream of ``work`` now, for load
-        (queue, slots, the real-time budget), taking nothing: the check before a request is
-        planned, so a refused one costs no tokenization."""
+    def check_room(self, *works: StreamWork) -> None:
+        """Raise the refusal :meth:`enqueue` would give new streams of ``works`` now, for load
+        (queue, slots, the real-time budget), all or none, taking nothing: the check before
+        requests are planned, so refused ones cost no tokenization."""
         with self.lock:
-            self._check_room([work], commit=False)
+            self._check_room(list(works), commit=False)
 
     def enqueue(self, streams: list[Stream]) -> None:
         """Queue new streams, all or none: raises when the queue is full, their work does not
