@@ -39,8 +39,8 @@ from serve_app.engines.minicpmo.device.audio_step import (
     TTS_TEMPERATURE,
     AudioStepInputs,
     audio_logits,
-    text_prefill_step,
 )
+from serve_app.engines.minicpmo.device.tts_prefill import text_prefill_step
 from serve_app.engines.minicpmo.model.layers import SlotKVCache, set_one_query_attention
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -281,6 +281,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             audio_cuts=getattr(args, "audio_cuts", "planned"),
+                            audio_window_rows=getattr(args, "audio_window_rows",
+                                                      EngineOptions.audio_window_rows),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
                             prefill_prompts=getattr(args, "prefill_prompts",

@@ -33,7 +33,8 @@ waiting seconds.
 **Waiting**: a stream that cannot take a slot now may wait in the engine's queue only as long as
 its first audio can still come within ``first_audio_deadline_s``, its kind's recent first audio
 after admission taken at its 90th percentile (the tail, not the mean: the deadline bounds the
-admitted streams' TTFB p99), and never less than one step (every queued stream gets the next
+admitted streams' TTFB p99), at most ``max_queue_wait_s`` (a refusal from the queue is quick,
+or it is not one), and never less than one step (every queued stream gets the next
 admission). A step's admission refuses the queued streams it did not start whose wait would
 outlast their allowance by the next one (reason ``wait``): a refusal comes at the last
 admission that could have started the stream, not after its allowance, and before any work on
@@ -182,7 +183,8 @@ class WorkAdmission:
     the step thread observes steps and expires waiting streams."""
 
     def __init__(self, mode: str, margin: float, first_audio_deadline_s: float,
-                 max_slots: int, max_chat_slots: int, behind_hold_s: float = 0.0) -> None:
+                 max_slots: int, max_chat_slots: int, behind_hold_s: float = 0.0,
+                 max_queue_wait_s: float = math.inf) -> None:
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}")
         if not 0 <= margin < 1:
@@ -190,6 +192,7 @@ class WorkAdmission:
         self.mode = mode
         self.limit = 1.0 - margin
         self.first_audio_deadline_s = first_audio_deadline_s
+        self.max_queue_wait_s = max_queue_wait_s
         # the prior: the slots full of one kind just fill the limit
         intercept = PRIOR_INTERCEPT_SHARE * self.limit
         read = (self.limit - intercept) / max(max_slots, 1)
@@ -366,10 +369,10 @@ class WorkAdmission:
 
     def _wait_allowance_s(self, chat: bool) -> float:
         """How long a queued stream may wait for its slot: what its deadline leaves after its
-        kind's first audio takes, and never less than a few steps (an engine slower than the
-        deadline still serves what it can start at once)."""
-        return max(self.first_audio_deadline_s - self._first_audio_s[chat],
-                   MIN_WAIT_STEPS * self._step_s)
+        kind's first audio takes, at most ``max_queue_wait_s``, and never less than a few steps
+        (an engine slower than the deadline still serves what it can start at once)."""
+        return max(min(self.first_audio_deadline_s - self._first_audio_s[chat],
+                       self.max_queue_wait_s), MIN_WAIT_STEPS * self._step_s)
 
     def _refuse(self, reason: str, added: np.ndarray) -> None:
         self.counters.refused[reason] += int(round(added[0] + added[1])) or 1

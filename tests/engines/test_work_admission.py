@@ -174,6 +174,25 @@ def test_the_wait_leaves_room_for_the_tail_of_first_audio_not_its_mean():
     assert admission.expired([(0.09, False), (0.15, False)]) == [False, True]
 
 
+def test_a_queued_stream_waits_no_longer_than_max_queue_wait_but_always_a_step():
+    """A deadline that leaves 0.3 s of waiting (0.2 s first audio, 0.5 s deadline) is cut to
+    max_queue_wait_s, so a refusal from the queue comes within it; a step longer than the cap
+    is still waited for (every queued stream gets the next admission)."""
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16,
+                              max_queue_wait_s=0.1)
+    admission.observe_first_audio(0.2)
+    admission.observe_step(np.zeros(4), 0.0, 0.05)  # 50 ms steps
+    assert admission.expired([(0.09, False), (0.11, False), (0.29, False)]) == [False, True, True]
+    assert admission.expired([(0.04, False), (0.06, False)], next_step=True) == [False, True]
+    for _ in range(60):  # steps of 150 ms: the cap is below one step, a step is the floor
+        admission.observe_step(np.zeros(4), 0.0, 0.15)
+    assert admission.expired([(0.14, False), (0.16, False)]) == [False, True]
+    uncapped = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16)
+    uncapped.observe_first_audio(0.2)
+    uncapped.observe_step(np.zeros(4), 0.0, 0.05)
+    assert uncapped.expired([(0.11, False), (0.29, False)]) == [False, False]
+
+
 def test_a_queue_that_would_start_a_stream_too_late_refuses_it_at_once():
     admission = WorkAdmission("work", 0.0, 0.5, max_slots=1024, max_chat_slots=256)
     admission.observe_first_audio(0.2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import sys
 import threading
 import time
@@ -120,7 +121,8 @@ class MiniCPMOEngine(SubmitsIterators):
         self._terminators = chat.terminators
         work = WorkAdmission(options.admission, options.admission_margin,
                              options.first_audio_deadline_s, options.max_slots,
-                             options.max_chat_slots, options.behind_hold_s)
+                             options.max_chat_slots, options.behind_hold_s,
+                             options.max_queue_wait_s or math.inf)
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
                                     options.admission_interval_steps, work,
                                     options.prefill_prompts)

@@ -50,6 +50,9 @@ class EngineOptions:
     admission: Literal["work", "slots"] = "work"
     admission_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
     first_audio_deadline_s: Annotated[float, Field(gt=0.0)] = 0.5
+    # admitting by work, the longest a queued stream waits for its slot before it is refused
+    # (reason "wait"), whatever its deadline leaves; at least one step. None: the deadline alone
+    max_queue_wait_s: Annotated[float, Field(gt=0.0)] | None = None
     # admitting by work, a step where a stream's audio came after its listener had played all
     # it had stops admission for this long: new streams are refused (reason "behind"), queued
     # ones wait; 0 never holds (work_admission.py, "Behind")
@@ -93,6 +96,13 @@ class EngineOptions:
     # against 482 ms in line, chat 160 real-time (docs/benchmarks/README.md, "Before: read 576
     # and chat 160"); on in serve_config.yaml
     overlap_llm_step: StrictBool = False
+    # the audio window's rows in its CUDA graphs: "generating", one row per stream that makes
+    # audio this step (with visible_ranges attention, which finds each row's slot itself; other
+    # kernels slice the cache, so they keep "slot_range"), or "slot_range", every slot below the
+    # highest generating one. The same per-row math either way (bf16 results already vary with
+    # the batch's size: batch-invariance-h200.json); the A/B: docs/benchmarks/README.md, "The
+    # audio window's rows"
+    audio_window_rows: Literal["generating", "slot_range"] = "generating"
     steps_per_sync: Positive = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
     # decode-step attention of the TTS: sdpa | matmul | flex | visible_ranges (layers.py). flex

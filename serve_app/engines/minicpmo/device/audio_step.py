@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from ..model.flex_attention import FLEX_KEY_BLOCK
-from ..model.layers import SlotKVCache, StepInputs, causal_attend
+from ..model.layers import SlotKVCache, StepInputs
 from ..model.range_attention import ranges_mask
 from ..model.modeling import SpeechTokenModel, TTSConfig
-from .graphs import bucket_sizes, capture_per_bucket, shortest_span
+from .graphs import bucket_sizes, capture_per_bucket, row_bucket_sizes, shortest_span
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
 from .transfer import HostCopy, to_device
 
@@ -250,23 +250,32 @@ def window_key_reads(x: AudioStepInputs, rows: int, steps: int, span: int, kerne
 class AudioStepGraphs:
     """:func:`audio_window` captured as CUDA graphs, one per batch-size bucket and attention span.
 
-    A bucket of size ``b`` steps slots ``0..b-1`` (slots are handed out lowest first, so the
-    busy ones stay packed); rows that are not generating this step are inactive padding. The
-    span is the shortest that holds every row's last position of the window, so attention does
-    not read the empty end of the cache.
+    ``gathered`` (for attention that addresses the cache by each row's slot, the
+    ``visible_ranges`` kernel): row ``i`` of a bucket is the ``i``-th generating stream, its slot
+    in a static index the launch fills, and the bucket the smallest that holds the generating
+    streams (:func:`~.graphs.row_bucket_sizes`); padding rows are inactive (they point at the
+    first stream's slot, write only its scratch position and read its key 0). Otherwise a
+    bucket of size ``b`` steps slots ``0..b-1`` (slots are handed out lowest first, so the busy
+    ones stay packed) and every stream below the highest generating one is a row, padding if
+    it is not generating: at 576 read + 192 chat streams on an H200 the windows computed 1.64
+    rows per frame of audio made, since slots freed and taken again spread the streams over
+    1024 (``docs/benchmarks/README.md``, "The audio window's rows"). The span is the shortest
+    that holds every row's last position of the window, so attention does not read the empty
+    end of the cache.
     """
 
     def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
-                 steps: int = 1, whole_span_only: bool = False) -> None:
+                 steps: int = 1, whole_span_only: bool = False, gathered: bool = False) -> None:
         self.tts = tts
+        self.gathered = gathered
         self.cache = cache
         self.steps = steps
         slots = cache.num_slots
         self.num_vq = tts.config.num_vq
         columns = packed_columns(self.num_vq)
         self.packed = torch.zeros(slots, columns, device=device, dtype=torch.long)
-        self.rows = torch.arange(slots, device=device)
-        self.buckets = bucket_sizes(slots)
+        self.rows = torch.arange(slots, device=device)  # each row's slot (filled, if gathered)
+        self.buckets = row_bucket_sizes(slots) if gathered else bucket_sizes(slots)
         # Attention that skips the key blocks each row cannot see (flex) needs no shorter spans:
         # one graph per batch bucket, a quarter of the captures (each a compile, for flex).
         self.spans = ([cache.max_positions + 1] if whole_span_only
@@ -279,12 +288,14 @@ class AudioStepGraphs:
             list(range(len(keyed))),
             lambda i: audio_window(self.tts, self.cache,
                                    AudioStepInputs.unpack(self.packed[:keyed[i][0]], self.num_vq),
-                                   self.rows[:keyed[i][0]], True, self.steps, keyed[i][1]))
+                                   self.rows[:keyed[i][0]], not self.gathered, self.steps,
+                                   keyed[i][1]))
         self.graphs = {keyed[i]: graph for i, graph in graphs.items()}
 
     def shape(self, slots: list[int], x: AudioStepInputs) -> tuple[int, int]:
         """The (batch bucket, attention span) whose graph runs these streams."""
-        return (next(b for b in self.buckets if b > max(slots)),
+        rows = len(slots) if self.gathered else max(slots) + 1
+        return (next(b for b in self.buckets if b >= rows),
                 attention_span(x, self.steps, self.spans))
 
     def launch(self, slots: list[int], x: AudioStepInputs,
@@ -293,103 +304,28 @@ class AudioStepGraphs:
         the host, [steps, B, vq + 1] as :func:`audio_window`, without waiting for either.
         ``shape``: :meth:`shape`'s answer, when the caller has it."""
         bucket, span = shape or self.shape(slots, x)
-        index = torch.tensor(slots)
-        rows = torch.zeros(bucket, self.packed.shape[1], dtype=torch.long)
-        rows[index] = x.pack()
-        self.packed[:bucket] = to_device(rows, self.packed.device)
+        self.packed[:bucket] = to_device(window_inputs(slots, x, bucket, self.gathered),
+                                         self.packed.device)
+        if self.gathered:
+            self.rows[:bucket] = to_device(gathered_slots(slots, bucket), self.rows.device)
         graph, out = self.graphs[(bucket, span)]
         graph.replay()
-        return HostCopy(out[:, to_device(index, out.device)])
+        return HostCopy(out[:, :len(slots)] if self.gathered
+                        else out[:, to_device(torch.tensor(slots), out.device)])
 
 
-PREFILL_TOKENS = 16  # text prefill pass width: a chunk is 10-12 tokens
-# pass width for longer text (the tail of a long piece, a carried segment's start): a pass of
-# a few streams is bound by its kernel launches on a GPU, and a 170-token tail in passes of 16
-# took 11 passes, 25-47 ms of one step, on an H100
-LONG_PREFILL_TOKENS = 128
-TEXT_PREFILL_SPANS = (64, 128)  # key counts text prefill graphs read below the whole text part
+def window_inputs(slots: list[int], x: AudioStepInputs, bucket: int,
+                  gathered: bool) -> torch.Tensor:
+    """A window graph's packed inputs, [bucket, columns]: the streams' in order (``gathered``)
+    or each in its slot's row; zeros (inactive rows) elsewhere."""
+    rows = torch.zeros(bucket, packed_columns(x.frame.shape[1]), dtype=torch.long)
+    rows[slice(0, len(slots)) if gathered else torch.tensor(slots)] = x.pack()
+    return rows
 
 
-def text_prefill_step(tts: SpeechTokenModel, cache: SlotKVCache, ids: torch.Tensor,
-                      positions: torch.Tensor, valid: torch.Tensor, speaker: torch.Tensor,
-                      speaker_at: torch.Tensor, rows: torch.Tensor, contiguous: bool,
-                      key_count: int | None = None) -> None:
-    """Write text embeddings (the speaker embedding where ``speaker_at``) into the cache, causal.
-
-    ``ids``/``positions``/``valid``/``speaker_at`` [B, S]; ``speaker`` [B, H]. Padded tokens
-    write to the scratch position and see only key 0. Attention reads the first ``key_count``
-    cache positions (default: all the text part; fewer must still hold every query's position).
-    """
-    embeds = tts.emb_text(ids)
-    embeds = torch.where(speaker_at[:, :, None], speaker[:, None, :].to(embeds.dtype), embeds)
-    write = torch.where(valid, positions, torch.full_like(positions, cache.scratch_position))
-    attend = causal_attend(positions, valid, key_count or text_key_count(tts.config, cache))
-    tts(embeds, cache, StepInputs(rows, positions, write, attend, contiguous))
-
-
-def text_key_count(cfg: TTSConfig, cache: SlotKVCache) -> int:
-    """Keys a text prefill may see: text lies below ``condition_length``, so attention need not
-    read the audio part of the cache."""
-    return min(cfg.condition_length, cache.max_positions + 1)
-
-
-class TextPrefillGraphs:
-    """:func:`text_prefill_step` of width :data:`PREFILL_TOKENS` as CUDA graphs, bucketed by the
-    number of prefilling streams (few per step) and by the keys attention reads: their cache
-    rows are gathered by slot index, so a prefill costs what its own rows cost, not what the
-    busiest slot range does, and only up to the bucket past the pass's last position (a
-    piece of text sits in the first 100 or so of the 302 text positions)."""
-
-    def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
-                 max_rows: int = 64, width: int = PREFILL_TOKENS) -> None:
-        self.tts = tts
-        self.cache = cache
-        rows = min(max_rows, cache.num_slots)
-        dtype = next(tts.parameters()).dtype
-        self.ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.valid = torch.zeros(rows, width, dtype=torch.bool, device=device)
-        self.speaker_at = torch.zeros(rows, width, dtype=torch.bool, device=device)
-        self.speaker = torch.zeros(rows, tts.config.hidden_size, dtype=dtype, device=device)
-        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
-        self.buckets = bucket_sizes(rows)
-        text_keys = text_key_count(tts.config, cache)
-        self.spans = sorted({span for span in TEXT_PREFILL_SPANS if span < text_keys} | {text_keys})
-        self.keys = [(b, span) for b in self.buckets for span in self.spans]
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
-
-    def _forward(self, index: int) -> None:
-        bucket, span = self.keys[index]
-        text_prefill_step(self.tts, self.cache, self.ids[:bucket], self.positions[:bucket],
-                          self.valid[:bucket], self.speaker[:bucket], self.speaker_at[:bucket],
-                          self.slots[:bucket], False, span)
-
-    def capture_all(self) -> None:
-        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
-        self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
-
-    def run(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-            speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
-        """One pass for streams in ``slots``; the [B, width] inputs are on the CPU."""
-        largest = self.buckets[-1]
-        for start in range(0, len(slots), largest):
-            part = slice(start, start + largest)
-            count = len(slots[part])
-            bucket = next(b for b in self.buckets if b >= count)
-            device = self.ids.device
-            self.valid[:bucket] = False
-            self.speaker_at[:bucket] = False
-            self.slots[:bucket] = slots[part][0]  # padding rows: a real slot, writes go to scratch
-            # one host-to-device copy for all integer inputs of this pass
-            packed = to_device(torch.cat([torch.tensor(slots[part])[:, None], ids[part],
-                                          positions[part], valid[part].long(),
-                                          speaker_at[part].long()], dim=1), device)
-            width = ids.shape[1]
-            self.slots[:count] = packed[:, 0]
-            self.ids[:count] = packed[:, 1:1 + width]
-            self.positions[:count] = packed[:, 1 + width:1 + 2 * width]
-            self.valid[:count] = packed[:, 1 + 2 * width:1 + 3 * width].bool()
-            self.speaker_at[:count] = packed[:, 1 + 3 * width:].bool()
-            self.speaker[:count] = speaker[part]
-            last = int(positions[part][valid[part]].max()) if bool(valid[part].any()) else 0
-            self.graphs[(bucket, shortest_span(self.spans, last))][0].replay()
+def gathered_slots(slots: list[int], bucket: int) -> torch.Tensor:
+    """The slot of each of a gathered window's ``bucket`` rows: the streams' in order, then the
+    first stream's for the padding rows (inactive: they write only its scratch position)."""
+    order = torch.full((bucket,), slots[0], dtype=torch.long)
+    order[:len(slots)] = torch.tensor(slots)
+    return order

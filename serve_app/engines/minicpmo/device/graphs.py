@@ -14,6 +14,14 @@ def bucket_sizes(limit: int) -> list[int]:
     return sorted({min(2 ** i, limit) for i in range(20) if 2 ** i < 2 * limit})
 
 
+def row_bucket_sizes(limit: int, step: int = 64) -> list[int]:
+    """Powers of two up to ``step``, then every ``step`` rows, up to ``limit`` itself: batch
+    buckets for graphs whose rows are the streams that run (not a range of slots), so a batch
+    is padded by at most ``step - 1`` rows where powers of two would pad 700 rows to 1024."""
+    small = {min(2 ** i, limit) for i in range(20) if 2 ** i <= step}
+    return sorted(small | set(range(2 * step, limit, step)) | {limit})
+
+
 def shortest_span(spans: list[int], last: int) -> int:
     """The shortest of ``spans`` (ascending key counts a set of graphs is captured for) that
     holds position ``last``; the longest (the whole cache) if none does."""

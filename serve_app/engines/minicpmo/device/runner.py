@@ -23,18 +23,8 @@ from ..model.quantization import warm_up_int4_kernels
 from ..options import EngineOptions, clones_voices
 from ..speech_schedule import TextPrefill
 from ..voices import VoicePrefix, VoiceTurn, prefix_length
-from .audio_step import (
-    LONG_PREFILL_TOKENS,
-    PREFILL_TOKENS,
-    AudioStepGraphs,
-    AudioStepInputs,
-    TextPrefillGraphs,
-    attention_span,
-    audio_window,
-    key_count_buckets,
-    text_prefill_step,
-    window_key_reads,
-)
+from .audio_step import AudioStepGraphs, AudioStepInputs, attention_span, audio_window
+from .audio_step import key_count_buckets, window_key_reads
 from .decode_graphs import DecodedAudio, MultiLengthDecodeGraphs, queue_decode
 from .graphs import FirstInLine
 from .llm_step import (
@@ -47,7 +37,8 @@ from .llm_step import (
     write_prefixes,
 )
 from .transfer import HostCopy, device_tensor, to_device
-from .tts_prefill import carry_prefill, text_prefill_passes
+from .tts_prefill import LONG_PREFILL_TOKENS, PREFILL_TOKENS, TextPrefillGraphs, carry_prefill
+from .tts_prefill import text_prefill_passes, text_prefill_step
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +296,13 @@ class GraphModelRunner(ModelRunner):
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self._speech = FirstInLine(self.device)  # the audio window and the decode
         self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
+        # the window's rows are the generating streams where attention finds each row's slot
+        # itself (visible_ranges), not every slot below the highest (audio_window_rows)
+        gathered = (options.audio_window_rows == "generating"
+                    and options.one_query_attention == "visible_ranges")
         self.audio_graphs = AudioStepGraphs(model.tts, self.tts_cache, self.device, self.window,
-                                            whole_span_only=self.reads_only_visible)
+                                            whole_span_only=self.reads_only_visible,
+                                            gathered=gathered)
         self.text_prefill_graphs = {
             PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
                                               max_rows=TEXT_PREFILL_ROWS),
