@@ -88,6 +88,12 @@ def headline(sweep: list[dict], mode: str) -> tuple[dict, int]:
             realtime_streams(poisson))
 
 
+def largest_mixed_held(rows: list[dict]) -> dict[str, int]:
+    """The mixed level with the most streams whose read and chat both held, as its counts."""
+    top = max((row for row in rows if row["ok"]), key=lambda row: row["concurrency"], default=None)
+    return {"read": top["read"], "chat": top["chat"]} if top else {"read": 0, "chat": 0}
+
+
 def merge_results(results: list[dict]) -> dict:
     """One result from runs of different modes: per-mode tables joined, sweeps concatenated."""
     gpus = {r["gpu"] for r in results}
@@ -108,7 +114,12 @@ def merge_results(results: list[dict]) -> dict:
     # each run counts the levels it ran; the merged count is the highest level any run held
     merged["max_realtime_streams"] = {
         mode: max(r.get("max_realtime_streams", {}).get(mode, 0) for r in results)
-        for mode in {m for r in results for m in r.get("max_realtime_streams", {})}}
+        for mode in {m for r in results for m in r.get("max_realtime_streams", {})}
+        if mode != "mixed"}
+    mixed = [row for r in results for row in r.get("mixed", [])]
+    if mixed:  # mixed levels joined
+        merged["mixed"] = mixed
+        merged["max_realtime_streams"]["mixed"] = largest_mixed_held(mixed)
     peaks = [r["peak_gpu_memory_gb"] for r in results if r.get("peak_gpu_memory_gb") is not None]
     merged["peak_gpu_memory_gb"] = max(peaks) if peaks else None
     return merged

@@ -45,7 +45,7 @@ import torch
 from bench.engine.compare_quantization import compare_quantization
 from bench.engine.measure import build_engine, measure_engine, register_voices, single_stream
 from bench.engine.measure import measure_mixed, single_stream_in_voices
-from bench.engine.report import ROOT, headline, merge_results, plot
+from bench.engine.report import ROOT, headline, largest_mixed_held, merge_results, plot
 from harness.service import git_commit
 from bench.engine.roofline import GPUS, ModelSizes, roofline
 from serve_app.engines.minicpmo.engine import EngineOptions
@@ -205,10 +205,7 @@ def main() -> None:
     for mode in args.modes:
         result["single_stream"][mode], result["max_realtime_streams"][mode] = headline(sweep, mode)
     if mixed:
-        held = [row for row in result["mixed"] if row["ok"]]
-        top = max(held, key=lambda row: row["concurrency"], default=None)
-        result["max_realtime_streams"]["mixed"] = (
-            {"read": top["read"], "chat": top["chat"]} if top else {"read": 0, "chat": 0})
+        result["max_realtime_streams"]["mixed"] = largest_mixed_held(result["mixed"])
     result["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     sizes = ModelSizes.of(model, tts_kv_cache_dtype=args.tts_kv_cache_dtype)
     result["model_sizes"] = sizes.as_dict()
