@@ -37,7 +37,7 @@ from bench.overload.levels import (
 )
 from bench.served.config import bench_config
 from bench.served.config import parse_args as serve_args
-from bench.served.measure import read_from
+from bench.served.measure import CpuMeter, read_from
 from bench.served.report import gpu_name
 from bench.served.served_logs import percentile, ttfb_breakdown
 from harness.service import ROOT, git_commit, start_service, stop_service
@@ -105,9 +105,12 @@ def run_levels(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
     levels = []
     for mix, capacity, offered_x, schedule in level_schedules(args):
         log_offset = args.log.stat().st_size if args.log.exists() else 0
+        meter = CpuMeter()
         fates = offer(base_url, schedule, args.processes)
         level = summarize(fates, mix, offered_x, args.window_s)
         level["capacity"] = capacity
+        # CPU per deployment, and the whole machine's (the load generators' and Ray's too)
+        level["cpu_percent_of_a_core"] = meter.percent()
         # where the admitted streams' first audio went: client, ingress, replica and engine,
         # from the service's log lines of the level (bench_serve's breakdown)
         log_text = read_from(args.log, log_offset)

@@ -31,6 +31,7 @@ class CpuMeter:
 
         self._psutil = psutil
         self._started = time.monotonic()
+        self._machine_before = psutil.cpu_times()
         processes = self._processes()
         self._before = self._sample(processes)
         self._threads_before = self._engine_threads(processes)
@@ -75,6 +76,16 @@ class CpuMeter:
                     sample[(process.pid, thread.id)] = thread.user_time + thread.system_time
         return sample
 
+    def _machine_busy_cores(self, wall: float) -> dict[str, float]:
+        """The whole machine over the window (load generators and Ray's own processes too):
+        cores busy on average, of how many."""
+        before, after = self._machine_before, self._psutil.cpu_times()
+        idle = sum(getattr(after, f, 0.0) - getattr(before, f, 0.0) for f in ("idle", "iowait"))
+        total = sum(after) - sum(before)
+        cores = self._psutil.cpu_count() or 1
+        return {"busy": round(cores * (1 - idle / total), 2) if total > 0 else 0.0,
+                "of": cores}
+
     def percent(self) -> dict[str, Any]:
         """Per deployment (or process kind), CPU as a percentage of one core over the window:
         ``sum`` over its processes, and its ``busiest_process``; and the engine processes'
@@ -91,6 +102,8 @@ class CpuMeter:
         threads = sorted((round(100 * (seconds - self._threads_before.get(key, 0.0)) / wall, 1)
                           for key, seconds in threads_after.items()), reverse=True)
         return {"sum": {name: round(100 * sum(s) / wall, 1) for name, s in sorted(used.items())},
+                "machine_busy_cores": self._machine_busy_cores(wall),
+                "processes": {name: len(s) for name, s in sorted(used.items())},
                 "busiest_process": {name: round(100 * max(s) / wall, 1)
                                     for name, s in sorted(used.items())},
                 "engine_threads": [share for share in threads if share > 0]}
@@ -161,6 +174,7 @@ def run_level(base_url: str, mode: str, level: int, arrival: str, args: argparse
         "cpu_percent_of_a_core": cpu["sum"],
         "cpu_percent_of_a_core_busiest_process": cpu["busiest_process"],
         "cpu_percent_of_a_core_engine_threads": cpu["engine_threads"],
+        "machine_busy_cores": cpu["machine_busy_cores"],
         "engine_busy": engine_busy(level_log), "locust": locust_summary(work / f"{name}_stats.csv"),
         "ttfb_breakdown": ttfb_breakdown(level_log, rows),
         "errors": sorted({r["error"] for r in rows if r.get("error")})[:5],
