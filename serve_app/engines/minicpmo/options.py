@@ -51,7 +51,9 @@ class EngineOptions:
     admission_margin: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.5
     first_audio_deadline_s: Annotated[float, Field(gt=0.0)] = 0.5
     # admitting by work, the longest a queued stream waits for its slot before it is refused
-    # (reason "wait"), whatever its deadline leaves; at least one step. None: the deadline alone
+    # (reason "wait"), whatever its deadline leaves; at least one step. None: the deadline alone.
+    # 0.1 in the GPU profiles: engine alone on an H200, read 2x / 3x, refusals p99 72 / 75 ms
+    # (157 / 184 ms before it, another lease; docs/operations.md)
     max_queue_wait_s: Annotated[float, Field(gt=0.0)] | None = None
     # admitting by work, a step where a stream's audio came after its listener had played all
     # it had stops admission for this long: new streams are refused (reason "behind"), queued
@@ -100,8 +102,9 @@ class EngineOptions:
     # audio this step (with visible_ranges attention, which finds each row's slot itself; other
     # kernels slice the cache, so they keep "slot_range"), or "slot_range", every slot below the
     # highest generating one. The same per-row math either way (bf16 results already vary with
-    # the batch's size: batch-invariance-h200.json); the A/B: docs/benchmarks/README.md, "The
-    # audio window's rows"
+    # the batch's size: batch-invariance-h200.json). Engine alone on an H200 at 576 read + 192
+    # chat: 1.07 rows computed per frame made against 1.62, the window's phase 18.7 against
+    # 23.3 ms a step, the step 0-4 % shorter (docs/benchmarks/README.md, "The audio window's rows")
     audio_window_rows: Literal["generating", "slot_range"] = "generating"
     steps_per_sync: Positive = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
