@@ -66,11 +66,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
 from .errors import EngineOverloadedError
+
+if TYPE_CHECKING:
+    from .base import SpeechRequest
 
 STREAM_KINDS = ("read", "chat", "cloned", "streamed")
 ADMISSION_MODES = ("work", "slots")
@@ -106,6 +109,13 @@ class StreamWork:
     chat: bool = False
     cloned: bool = False
     streamed: bool = False
+
+    @classmethod
+    def of_request(cls, request: SpeechRequest, cloned: bool = False) -> "StreamWork":
+        """What a request will bring: chat or read by its mode, streamed-in text by its input,
+        ``cloned`` when it speaks in a cloned voice (the engine knows which voices are)."""
+        return cls(chat=request.mode == "chat", cloned=cloned,
+                   streamed=request.text_input == "streamed")
 
     def vector(self) -> np.ndarray:
         return np.array([0.0 if self.chat else 1.0, 1.0 if self.chat else 0.0,

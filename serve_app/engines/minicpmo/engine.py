@@ -210,8 +210,7 @@ class MiniCPMOEngine(SubmitsIterators):
         for request in requests:
             self.validate(request)
         # a look at the engine's room before the tokenization a refusal would waste
-        self._scheduler.check_room(*(StreamWork(chat=r.mode == "chat",
-                                                streamed=r.text_input == "streamed")
+        self._scheduler.check_room(*(StreamWork.of_request(r, cloned=r.voice != DEFAULT_VOICE)
                                      for r in requests))
         if self._benchmark is not None:
             requests = [self._benchmark.fix_lengths(r) for r in requests]

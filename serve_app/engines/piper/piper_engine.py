@@ -151,7 +151,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
             self.validate(request)
         if len(self._streams) + len(requests) > self.max_batch_size + self._max_queued_streams:
             raise EngineOverloadedError("engine queue is full", "queue")
-        self._work.take([_work_of(request) for request in requests])
+        self._work.take([StreamWork.of_request(request) for request in requests])
         self._ensure_loop()
         now = time.perf_counter()
         for request in requests:
@@ -178,7 +178,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
-        self._work.release(_work_of(stream.request))
+        self._work.release(StreamWork.of_request(stream.request))
         self._stats.aborted += 1
         self._refresh_gauges()
         deliver_to(stream.sink,
@@ -249,7 +249,7 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
     def _forget(self, stream: PiperStream) -> None:
         """The stream leaves the engine (finished or failed): its work is free."""
         if self._streams.pop(stream.request.request_id, None) is not None:
-            self._work.release(_work_of(stream.request))
+            self._work.release(StreamWork.of_request(stream.request))
 
     def _next_streams(self) -> list[PiperStream]:
         """Round robin: the first ``max_batch_size`` streams, then move them to the back; a
@@ -326,8 +326,3 @@ class PiperEngine(SubmitsIterators, WithoutVoiceCloning):  # one voice: cloning 
     def _refresh_gauges(self) -> None:
         self._stats.active_streams = min(len(self._streams), self.max_batch_size)
         self._stats.queued_streams = max(0, len(self._streams) - self.max_batch_size)
-
-
-def _work_of(request: SpeechRequest) -> StreamWork:
-    """What a Piper stream costs: read (Piper has no chat), streamed text or not."""
-    return StreamWork(streamed=request.text_input == "streamed")
