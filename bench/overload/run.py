@@ -36,6 +36,7 @@ from bench.overload.levels import (
     summarize,
 )
 from bench.served.config import bench_config
+from bench.served.crossings import crossing_legs, gc_pauses
 from bench.served.config import parse_args as serve_args
 from bench.served.measure import CpuMeter, read_from
 from bench.served.report import gpu_name
@@ -118,6 +119,13 @@ def run_levels(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
             log_text, [{"ok": fate.admitted, "ttfb_s": fate.first_audio_s,
                         "request_id": fate.request_id} for fate in fates])
         level["refusal_breakdown"] = refusal_breakdown(log_text, fates)
+        # the way between the Ingress and the Synthesizer, there and back, for the admitted
+        # streams and the refusals apart; and each replica process's collector pauses
+        level["crossings"] = {
+            outcome: crossing_legs(log_text, {f.request_id for f in fates if pick(f)})
+            for outcome, pick in (("admitted", lambda f: f.admitted),
+                                  ("refused", lambda f: f.refused))}
+        level["gc_pauses"] = gc_pauses(log_text)
         print(json.dumps({k: v for k, v in level.items() if k != "by_kind"}), flush=True)
         levels.append(level)
         time.sleep(2.0)  # the last streams' slots and work are given back

@@ -32,6 +32,7 @@ from serve_app import errors
 from serve_app.config import ApiConfig
 from serve_app.errors import ApiError
 from serve_app.hops import StreamTimeout, as_cancellation, is_cancellation
+from serve_app.observability.gc_pauses import log_pauses
 from serve_app.voices.clip import SHARED_OWNER, owner_of_key
 
 logger = logging.getLogger("serve_app.requests")
@@ -201,10 +202,15 @@ class RequestRecord:
             **{f"{name}_ms": round((speech[f"{name}_s"] - self.started_s) * 1000, 1)
                for name in ("dispatched", "first_item") if f"{name}_s" in speech},
             "duration_ms": round((time.perf_counter() - self.started_s) * 1000, 1),
+            # the call's clock reading (time.perf_counter, one clock for a machine's processes):
+            # the synthesizer's log line has its arrival on the same clock
+            "dispatch_clock": (f"{speech['dispatched_s']:.6f}" if "dispatched_s" in speech
+                               else None),
         }
         line = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
         level = logging.ERROR if self.outcome in ("failed", "timeout") else logging.INFO
         logger.log(level, "request %s", line)
+        log_pauses()
 
 
 def route_path(scope: Scope) -> str:

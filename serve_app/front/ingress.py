@@ -35,6 +35,7 @@ from serve_app.front.guard import (REQUEST_ID_HEADER, KeyRing, RequestGuard, Str
 from serve_app.front.events import SSE_MEDIA_TYPE, sse_body
 from serve_app.hops import as_cancellation, is_cancellation
 from serve_app.observability import memory_trace
+from serve_app.observability.gc_pauses import settle_replica_process
 from serve_app.observability.logs import use_replica_log
 from serve_app.messages import EncodeJob, EngineInfo
 from serve_app.observability.metrics import EncoderMetrics, IngressMetrics
@@ -159,6 +160,7 @@ class Ingress:
         # request pays for it; its answer is the engine info the routes need.
         self._info_call = synthesizer.info.remote()
         memory_trace.start_if_asked("Ingress")
+        settle_replica_process()
 
     async def _engine_info(self) -> EngineInfo:
         if self._info is None:
@@ -287,9 +289,11 @@ class Ingress:
         # clock readings for the request's log line (RequestRecord): the call to the
         # synthesizer, and its first item back (encoded)
         speech["dispatched_s"] = time.perf_counter()
-        first, pieces, upstream = await open_stream(self._synthesizer, job, self._api,
-                                                     self._encoder_metrics)
-        speech["first_item_s"] = time.perf_counter()
+        try:
+            first, pieces, upstream = await open_stream(self._synthesizer, job, self._api,
+                                                         self._encoder_metrics)
+        finally:  # the first item, or the refusal or error that came instead
+            speech["first_item_s"] = time.perf_counter()
         if first:
             self._metrics.observe_ttfb(speech["first_item_s"] - received_s, request.mode,
                                        audio_format)

@@ -49,6 +49,7 @@ from serve_app.gpu.routing import routing_stats
 from serve_app.gpu.text_inbox import InboxReader, start_inbox
 from serve_app.hops import StreamTimeout, within
 from serve_app.messages import EngineInfo, StreamUsage, TextInputOpen
+from serve_app.observability.gc_pauses import log_pauses, settle_replica_process
 from serve_app.observability.logs import use_replica_log
 from serve_app.voices.clip import is_voice_id
 from serve_app.voices.store import VoiceStore
@@ -96,6 +97,7 @@ class Synthesizer:
         self._admission.apply(BatchingConfig())
         self._ready = True
         logger.info("engine %s loaded and warmed", engine)
+        settle_replica_process()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply new batching knobs (``user_config``) without restarting the replica."""
@@ -127,9 +129,10 @@ class Synthesizer:
                        self._chunk_timeout_s)
         try:
             async for item in items:
-                yield item
                 if isinstance(item, ApiError):
+                    yield _answered(request_id, arrived_s, item)
                     break
+                yield item
                 if isinstance(item, AudioChunk):
                     if first_chunk is None:
                         first_chunk, replica_ttfb_s = item, time.perf_counter() - arrived_s
@@ -139,20 +142,22 @@ class Synthesizer:
         except StreamTimeout as exc:
             finished = True
             self._engine.abort(request_id)
-            yield errors.timed_out(request_id, "the engine", exc.waited_s)
+            timed_out = errors.timed_out(request_id, "the engine", exc.waited_s)
+            yield _answered(request_id, arrived_s, timed_out)
         except EngineDeadError as exc:
             finished = True
-            yield errors.synthesis_unavailable(request_id, exc)
+            yield _answered(request_id, arrived_s, errors.synthesis_unavailable(request_id, exc))
         except EngineOverloadedError as exc:  # refused while queued, before any audio: a 503
             finished = True
-            yield errors.overloaded(exc.reason)
+            yield _answered(request_id, arrived_s, errors.overloaded(exc.reason))
         except Exception as exc:  # one failing stream never ends the others
             finished = True
             self._engine.abort(request_id)
-            yield errors.synthesis_failed(request_id, exc)
+            yield _answered(request_id, arrived_s, errors.synthesis_failed(request_id, exc))
         finally:
             if first_chunk is not None:
                 _log_first_chunk(request_id, arrived_s, replica_ttfb_s, first_chunk)
+            log_pauses()
             self._in_flight -= 1
             self._watch.waiting_for_admission.discard(request_id)
             # Caller gone (cancelled or closed) before the end: free the engine slot now. This
@@ -244,13 +249,24 @@ class Synthesizer:
         await asyncio.to_thread(engine.close)
 
 
+def _answered(request_id: str, arrived_s: float, answer: ApiError) -> ApiError:
+    """``answer``, logged: a stream that ends with an error (a refusal, most often), when it
+    reached this replica (``arrived_clock``: ``time.perf_counter``, one clock for a machine's
+    processes) and ms from there to the answer; scripts/bench_overload reads these lines."""
+    logger.info("answered stream=%s status=%d code=%s arrived_clock=%.6f replica_ms=%.1f",
+                request_id, answer.status_code, answer.code, arrived_s,
+                (time.perf_counter() - arrived_s) * 1000)
+    return answer
+
+
 def _log_first_chunk(request_id: str, arrived_s: float, replica_ttfb_s: float,
                      chunk: AudioChunk) -> None:
     """Where a stream's first audio came from: ms from its arrival at this replica to its first
     chunk leaving, the engine's own TTFB (submission to first audio), and, on the way back, ms
     from the arrival to the engine process's sink taking the chunk, this replica's reader
     reading it and its event loop taking it, and to the engine's sender thread beginning to
-    write it (``engine_client.stamp_way_back``); scripts/bench_serve reads these lines."""
+    write it (``engine_client.stamp_way_back``), and the arrival's clock reading (as in
+    :func:`_answered`); scripts/bench_serve reads these lines."""
     timings = chunk.timings_s
     engine_s = next((timings[name] for name in ENGINE_TTFB_TIMINGS if name in timings), None)
 
@@ -259,6 +275,6 @@ def _log_first_chunk(request_id: str, arrived_s: float, replica_ttfb_s: float,
         for name in (*WAY_BACK_CLOCKS, ADMITTED_CLOCK))
     logger.info("first audio of stream=%s replica_ttfb_ms=%.1f engine_ttfb_ms=%s "
                 "engine_sent_ms=%s replica_received_ms=%s replica_dispatched_ms=%s "
-                "engine_sending_ms=%s replica_admitted_ms=%s", request_id, replica_ttfb_s * 1000,
-                "-" if engine_s is None else f"{engine_s * 1000:.1f}", sent, received,
-                dispatched, sending, admitted)
+                "engine_sending_ms=%s replica_admitted_ms=%s arrived_clock=%.6f", request_id,
+                replica_ttfb_s * 1000, "-" if engine_s is None else f"{engine_s * 1000:.1f}",
+                sent, received, dispatched, sending, admitted, arrived_s)
