@@ -9,10 +9,13 @@ the budget: 35 streams at most) and count; none asserts a time.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
 from bench.overload.client import offer
+from bench.served.crossings import crossing_legs
 from tests.cpu_profile import CpuProfileService
 
 pytestmark = pytest.mark.slow
@@ -32,6 +35,13 @@ def test_a_burst_over_capacity_is_refused_at_once_and_the_admitted_streams_end_w
     assert all(fate.status == 503 and fate.retry_after for fate in refused)
     assert all("at capacity" in fate.error for fate in refused)
     assert all(fate.whole for fate in admitted)  # none cut after its first byte
+    # each stream's way between the replicas can be read back from their log lines: the
+    # Ingress's call (its clock) and the Synthesizer's arrival, for a refusal in its answer line
+    for outcome in (refused, admitted):
+        ids = {fate.request_id for fate in outcome}
+        legs = _logged_crossings(cpu_service, ids)
+        assert legs["requests"] == len(ids)
+        assert legs["to_replica_ms"]["p50"] >= 0.0
     # the refusals took no work: the service has room again once the burst has ended
     with httpx.Client(base_url=cpu_service.url, timeout=120) as client:
         answer = client.post("/v1/speech/stream", json={"text": "Room again.", "format": "pcm"})
@@ -52,3 +62,14 @@ def test_sessions_over_capacity_are_refused_at_start_or_served_to_the_end(
     # it ends with response.done and its audio (none lost)
     assert all(fate.whole and fate.audio_s > 0 for fate in accepted), [
         fate.error for fate in accepted if not fate.whole]
+
+
+def _logged_crossings(service: CpuProfileService, request_ids: set) -> dict:
+    """The crossings of ``request_ids`` from the service's log, once every one has its lines
+    there (Ray copies each replica's lines to the log a moment after they are written)."""
+    deadline = time.monotonic() + 60
+    while True:
+        legs = crossing_legs(service.log_path.read_text(errors="replace"), request_ids) or {}
+        if legs.get("requests") == len(request_ids) or time.monotonic() > deadline:
+            return legs
+        time.sleep(1.0)
