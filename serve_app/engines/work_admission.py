@@ -52,7 +52,7 @@ whose wait would outlast its allowance (Waiting) is refused at the next step, no
 allowance has run out. And a step whose listeners ran thin faster than it could cut their
 audio (``audio_cuts: on_demand``) starts no queued stream at the next: a ramp of new streams,
 each thin after its first chunk, paces itself to what the engine can keep fed; a new stream's
-projected wait counts that step. The model's
+projected wait counts that step (``thin_holds_queue``; without it the queue starts anyway). The model's
 projection alone cannot see what the engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
@@ -194,7 +194,7 @@ class WorkAdmission:
 
     def __init__(self, mode: str, margin: float, first_audio_deadline_s: float,
                  max_slots: int, max_chat_slots: int, behind_hold_s: float = 0.0,
-                 max_queue_wait_s: float = math.inf) -> None:
+                 max_queue_wait_s: float = math.inf, thin_holds_queue: bool = True) -> None:
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}")
         if not 0 <= margin < 1:
@@ -203,6 +203,7 @@ class WorkAdmission:
         self.limit = 1.0 - margin
         self.first_audio_deadline_s = first_audio_deadline_s
         self.max_queue_wait_s = max_queue_wait_s
+        self.thin_holds_queue = thin_holds_queue  # Behind: thin listeners pause the queue
         # the prior: the slots full of one kind just fill the limit
         intercept = PRIOR_INTERCEPT_SHARE * self.limit
         read = (self.limit - intercept) / max(max_slots, 1)
@@ -252,10 +253,10 @@ class WorkAdmission:
                     self._refuse("behind", added)
                     raise EngineOverloadedError(
                         "the engine is catching up on the streams it holds", "behind")
-                if admissions_per_step and (queued_ahead or self._thin):
+                if admissions_per_step and (queued_ahead or self._thin_hold()):
                     # the steps until its admission, and the next one if it holds the queue
                     per_step = min(admissions_per_step, self._drain_per_step or admissions_per_step)
-                    steps = math.ceil((queued_ahead + 1) / per_step) + self._thin
+                    steps = math.ceil((queued_ahead + 1) / per_step) + self._thin_hold()
                     wait_s = steps * self._step_s
                     if wait_s > max(self._wait_allowance_s(w.chat) for w in works):
                         self._refuse("queue", added)
@@ -310,7 +311,7 @@ class WorkAdmission:
         """Whether queued streams wait for their slots (Behind): a stream ran dry lately, or
         the last step left thin listeners uncut."""
         with self._lock:
-            return self._behind() or self._thin
+            return self._behind() or self._thin_hold()
 
     def observe_step(self, counts: np.ndarray, load: float, step_s: float,
                      ran_dry: int = 0, uncut_thin: int = 0) -> None:
@@ -372,6 +373,9 @@ class WorkAdmission:
 
     def _behind(self) -> bool:
         return self.by_work and time.monotonic() < self._behind_until
+
+    def _thin_hold(self) -> bool:
+        return self._thin and self.thin_holds_queue
 
     def _hold_left_s(self) -> float:
         """How long the hold (Behind) still stops queued streams from starting."""

@@ -243,6 +243,19 @@ def test_a_step_that_left_thin_listeners_uncut_pauses_the_queue_for_one_step():
     admission.take([READ], queued_ahead=0, admissions_per_step=16)
 
 
+def test_without_the_thin_hold_thin_listeners_neither_pause_the_queue_nor_delay_a_new_stream():
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16,
+                              thin_holds_queue=False)
+    counts = np.array([40.0, 0.0, 0.0, 0.0])
+    admission.observe_step(counts, 0.3, 0.05, uncut_thin=5)
+    assert not admission.holding()  # the queue starts at the next step
+    # a new stream's wait is projected without the held step: with one step left of its
+    # deadline it is still taken (the thin hold refuses it: the test above)
+    admission.observe_first_audio(0.44)
+    admission.take([READ], queued_ahead=0, admissions_per_step=16)
+    assert admission.snapshot()["refused_queue"] == 0
+
+
 def test_without_a_hold_or_admitting_by_slots_a_dry_stream_changes_nothing():
     for admission in (WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16),
                       WorkAdmission("slots", 0.5, 0.5, max_slots=64, max_chat_slots=16,

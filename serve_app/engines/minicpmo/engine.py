@@ -122,7 +122,8 @@ class MiniCPMOEngine(SubmitsIterators):
         work = WorkAdmission(options.admission, options.admission_margin,
                              options.first_audio_deadline_s, options.max_slots,
                              options.max_chat_slots, options.behind_hold_s,
-                             options.max_queue_wait_s or math.inf)
+                             options.max_queue_wait_s or math.inf,
+                             options.thin_listeners_hold_queue)
         self._scheduler = Scheduler(options.max_slots, options.max_chat_slots, options.max_queued,
                                     options.admission_interval_steps, work,
                                     options.prefill_prompts)

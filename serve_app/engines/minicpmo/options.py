@@ -59,6 +59,10 @@ class EngineOptions:
     # it had stops admission for this long: new streams are refused (reason "behind"), queued
     # ones wait; 0 never holds (work_admission.py, "Behind")
     behind_hold_s: Annotated[float, Field(ge=0.0)] = 0.0
+    # admitting by work, a step that left thin listeners uncut starts no queued stream at the
+    # next (a new one's projected wait counts that step); False: the queue starts anyway, and
+    # only the work limit and the holds above pace new streams (work_admission.py, "Behind")
+    thin_listeners_hold_queue: bool = True
     tts_max_positions: Positive = 1536
     llm_max_positions: Positive = 2048
     chunk_frames: Positive = 25
