@@ -52,8 +52,8 @@ whose wait would outlast its allowance (Waiting) is refused at the next step, no
 allowance has run out. And a step whose listeners ran thin faster than it could cut their
 audio (``audio_cuts: on_demand``) starts no queued stream at the next: a ramp of new streams,
 each thin after its first chunk, paces itself to what the engine can keep fed; a new stream's
-projected wait counts that step (``thin_holds_queue``; without it the queue starts anyway). The model's
-projection alone cannot see what the engine's listeners see.
+projected wait counts that step (``thin_holds_queue``; without it the queue starts anyway).
+The model's projection alone cannot see what the engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
 timeouts allow): the A/B of the overload benchmark.
