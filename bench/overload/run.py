@@ -36,8 +36,8 @@ from bench.overload.levels import (
     summarize,
 )
 from bench.served.config import bench_config
-from bench.served.crossings import crossing_legs, gc_pauses
 from bench.served.config import parse_args as serve_args
+from bench.served.crossings import crossing_legs, gc_pauses
 from bench.served.measure import CpuMeter, read_from
 from bench.served.report import gpu_name
 from bench.served.served_logs import percentile, ttfb_breakdown

@@ -1,5 +1,6 @@
 """Two Synthesizer replicas admitting by work: more streams than one has room for are spread over
-both and none is refused; a burst past both is refused cleanly while Ray's autoscaler adds a node whose replica then serves.
+both and none is refused; a burst past both is refused cleanly while Ray's autoscaler adds a
+node whose replica then serves.
 
 A short run of scripts/overload_nodes: two replicas on GPU-like nodes that Ray's autoscaler
 launched, six streams at once where each replica has room for four (the router must put the

@@ -258,10 +258,10 @@ class AudioStepGraphs:
     bucket of size ``b`` steps slots ``0..b-1`` (slots are handed out lowest first, so the busy
     ones stay packed) and every stream below the highest generating one is a row, padding if
     it is not generating: at 576 read + 192 chat streams on an H200 the windows computed 1.62
-    rows per frame of audio made (1.07 gathered), since slots freed and taken again spread the streams over
-    1024 (``docs/benchmarks/README.md``, "The audio window's rows"). The span is the shortest
-    that holds every row's last position of the window, so attention does not read the empty
-    end of the cache.
+    rows per frame of audio made (1.07 gathered), since slots freed and taken again spread the
+    streams over 1024 (``docs/benchmarks/README.md``, "The audio window's rows"). The span is
+    the shortest that holds every row's last position of the window, so attention does not
+    read the empty end of the cache.
     """
 
     def __init__(self, tts: SpeechTokenModel, cache: SlotKVCache, device: torch.device,
