@@ -279,6 +279,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             tts_kv_cache_dtype=getattr(args, "tts_kv_cache_dtype", "auto"),
                             decode_dtype=getattr(args, "decode_dtype", EngineOptions.decode_dtype),
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
+                            prefill_beside_window=getattr(args, "prefill_beside_window",
+                                                          False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             audio_cuts=getattr(args, "audio_cuts", "planned"),
                             audio_window_rows=getattr(args, "audio_window_rows",

@@ -101,6 +101,9 @@ def argument_parser() -> argparse.ArgumentParser:
                              "below the highest (EngineOptions; the A/B)")
     parser.add_argument("--overlap-llm-step", action="store_true",
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
+    parser.add_argument("--prefill-beside-window", action="store_true",
+                        help="a busy engine's admission prefill beside the audio window, on the "
+                             "LLM step's stream (EngineOptions.prefill_beside_window)")
     parser.add_argument("--gil-switch-intervals-ms", type=float, nargs="+", default=None,
                         help="run each level once per GIL switch interval, in this order (an "
                              "A/B of the engine's 1 ms against Python's default 5 ms)")

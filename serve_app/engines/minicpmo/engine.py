@@ -30,7 +30,7 @@ from .benchmark_mode import BenchmarkMode
 from .chat import ChatText
 from .cloning import VoiceCloner
 from .device.placement import DECODE_DTYPES, resolved_device, resolved_dtype
-from .device.runner import create_runner
+from .device.graph_runner import create_runner
 from .model.codec import SAMPLE_RATE_HZ
 from .model.loader import LoadedModel, load_speech_model
 from .model.quantization import resolve_mode

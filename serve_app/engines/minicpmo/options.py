@@ -104,6 +104,11 @@ class EngineOptions:
     # against 482 ms in line, chat 160 real-time (docs/benchmarks/README.md, "Before: read 576
     # and chat 160"); on in serve_config.yaml
     overlap_llm_step: StrictBool = False
+    # the admission prefill of streams admitted while the device runs the audio window (a busy
+    # engine's admissions) on the LLM step's CUDA stream, beside the window, not queued behind
+    # it; the window keeps the device's highest priority. The same kernels on the same inputs
+    # (the prefill graphs are captured on a stream of their own, graphs.py): scheduling only
+    prefill_beside_window: StrictBool = False
     # the audio window's rows in its CUDA graphs: "generating", one row per stream that makes
     # audio this step (with visible_ranges attention, which finds each row's slot itself; other
     # kernels slice the cache, so they keep "slot_range"), or "slot_range", every slot below the

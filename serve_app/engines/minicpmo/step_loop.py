@@ -223,7 +223,7 @@ class StepLoop:
             # window and runs while the host reads the frames (where the device would wait),
             # and the new streams' schedules are ready for the next step's plan, which would
             # have admitted them; their first window is the same step's either way.
-            self._admit()
+            self._admit(beside_window=True)
             self.phases.lap("admit_prefill")
         text = plan.text
         if text is not None and waiting_for_text(text.streams):
@@ -241,14 +241,14 @@ class StepLoop:
             self.chat_text.collect(text)
             self.phases.lap("llm_decode")
 
-    def _admit(self) -> None:
+    def _admit(self, beside_window: bool = False) -> None:
         """Admit queued streams within the step's token budget and start them (their prefill
-        pass and speech schedules)."""
+        pass and speech schedules; ``beside_window``: while the device runs the window)."""
         budget = PrefillBudget(self.options.prefill_prompts, self.options.prefill_tokens)
         admitted = self.scheduler.admit_within(self._step_index, budget, self.admission.prompt_ids)
         self.endings.refuse_late(time.perf_counter(), next_step=True)  # those it passed over
         self.record.admitted += admitted
-        self.admission.start(admitted, budget.prompts)
+        self.admission.start(admitted, budget.prompts, beside_window)
 
     # ---- TTS work on the device ------------------------------------------------------------
 

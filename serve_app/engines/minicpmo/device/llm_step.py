@@ -153,11 +153,12 @@ class LLMStepGraphs:
         return (next(b for b in self.buckets if b > max(slots)),
                 shortest_span(self.spans, int(x.position.max())))
 
-    def capture_all(self) -> None:
-        # A capture stream of their own: these graphs replay beside the audio window when the
-        # step is overlapped (launch), so they must not share its matmuls' cuBLAS workspace.
+    def capture_all(self, capture_stream: torch.cuda.Stream | None = None) -> None:
+        """A capture stream of their own (``capture_stream``, default a new one): these graphs
+        replay beside the audio window when the step is overlapped (launch), so they must not
+        share its matmuls' cuBLAS workspace."""
         graphs = capture_per_bucket(list(range(len(self.keys))), self._forward,
-                                    capture_stream=separate_capture_stream())
+                                    capture_stream=capture_stream or separate_capture_stream())
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
     def _place(self, slots: list[int], x: LLMStepInputs,
@@ -285,8 +286,12 @@ class LLMPrefillGraphs:
         return llm_prefill(self.llm, self.cache, self.ids[:batch, :length], self.valid[:batch, :length],
                            self.rows[:batch], True, self.starts[:batch], prefix + length)
 
-    def capture_all(self) -> None:
-        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward)
+    def capture_all(self, capture_stream: torch.cuda.Stream | None = None) -> None:
+        """Captured on ``capture_stream`` (default: torch's default capture stream, whose
+        cuBLAS workspace the audio window's graphs share): a stream of their own for graphs
+        that replay beside the window (``prefill_beside_window``)."""
+        graphs = capture_per_bucket(list(range(len(self.keys))), self._forward,
+                                    capture_stream=capture_stream)
         self.graphs = {self.keys[i]: graph for i, graph in graphs.items()}
 
     def fits(self, count: int, longest: int, longest_prefix: int = 0) -> bool:

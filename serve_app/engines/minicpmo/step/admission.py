@@ -53,9 +53,11 @@ class Admission:
         cloned voice only its own turn, after its voice turn's cached keys)."""
         return stream.plan.prompt_ids + self._gen_prompt_ids
 
-    def start(self, admitted: list[Stream], prompts: list[list[int]]) -> None:
-        """Prefill the admitted streams' ``prompts`` in one pass and give them their schedules;
-        all of them fail if the prefill does."""
+    def start(self, admitted: list[Stream], prompts: list[list[int]],
+              beside_window: bool = False) -> None:
+        """Prefill the admitted streams' ``prompts`` in one pass (``beside_window``: while the
+        device runs the step's audio window; the runner says where it runs) and give them their
+        schedules; all of them fail if the prefill does."""
         if not admitted:
             return
         now = time.perf_counter()
@@ -64,7 +66,8 @@ class Admission:
         for stream in admitted:
             self.runner.clear_tts_slot(stream.slot)
         try:
-            self._prefill_pass(admitted, prompts)
+            with self.runner.admission_stream(beside_window):
+                self._prefill_pass(admitted, prompts)
         except Exception as error:
             logger.exception("prefill failed")
             for stream in admitted:
