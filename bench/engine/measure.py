@@ -283,6 +283,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                                                           False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             audio_cuts=getattr(args, "audio_cuts", "planned"),
+                            thin_cuts_per_step=getattr(args, "thin_cuts_per_step",
+                                                       EngineOptions.thin_cuts_per_step),
                             audio_window_rows=getattr(args, "audio_window_rows",
                                                       EngineOptions.audio_window_rows),
                             prefill_tokens=getattr(args, "prefill_tokens",

@@ -83,6 +83,11 @@ class EngineOptions:
     # time (step/first_chunk.py), or "on_demand" with the clock, whenever a listener runs thin
     # (step/audio_cuts.py: a shorter TTFB, not yet every stream real-time)
     audio_cuts: Literal["planned", "on_demand"] = "planned"
+    # on_demand: at most this many streams cut a step, the thinnest first (step/audio_cuts.py):
+    # each piece costs decode and host time, and cutting every thin stream on an engine that
+    # slows down slows it further (uncapped, at 1024 read streams on an H100: decode_emit 19.6
+    # ms a step, 7.6 ms with planned cuts on another H100)
+    thin_cuts_per_step: Positive = 32
     tts_sampling: str = "sample"  # "greedy" makes codes independent of the batch
     max_segment_frames: Positive = 2048
     voices: StrictBool = True  # voice cloning: loads the audio encoder (apm) if the checkpoint has one

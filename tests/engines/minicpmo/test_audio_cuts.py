@@ -1,6 +1,6 @@
 """Audio cut on demand (``audio_cuts: on_demand``): the first chunk outlasts the slowest recent
 step, a stream is cut at a step's end when its listener would otherwise run out, at most
-``CUTS_PER_STEP`` a step; played out on the engine's timeline the player never waits, and on the
+``thin_cuts_per_step`` a step; played out on the engine's timeline the player never waits, and on the
 real engine the cuts change no code and the audio only around them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from serve_app.engines.minicpmo import output
 from serve_app.engines.minicpmo.engine import EngineOptions
 from serve_app.engines.minicpmo.model.codec import SAMPLE_RATE_HZ
 from serve_app.engines.minicpmo.scheduler import Stream, StreamPlan
-from serve_app.engines.minicpmo.step.audio_cuts import CUTS_PER_STEP, RECENT_STEPS, OnDemandCuts
+from serve_app.engines.minicpmo.step.audio_cuts import RECENT_STEPS, OnDemandCuts
 from serve_app.engines.minicpmo.step.first_chunk import FRAME_S
 from tests.engines.minicpmo.test_first_chunk import (
     assert_upstream_away_from_cuts,
@@ -25,8 +25,10 @@ from tests.engines.minicpmo.test_first_chunk import (
 from tests.golden.checkpoint import load_expected
 
 
-def cuts_after(step_ms: list[float], first_chunk_frames: int | None = 10) -> OnDemandCuts:
-    cuts = OnDemandCuts(EngineOptions(first_chunk_frames=first_chunk_frames, audio_cuts="on_demand"))
+def cuts_after(step_ms: list[float], first_chunk_frames: int | None = 10,
+               **options: object) -> OnDemandCuts:
+    cuts = OnDemandCuts(EngineOptions(first_chunk_frames=first_chunk_frames, audio_cuts="on_demand",
+                                      **options))
     for ms in step_ms:
         cuts.observe(ms / 1000)
     return cuts
@@ -73,9 +75,13 @@ def test_a_stream_is_cut_when_its_listener_would_run_out_before_the_piece_after_
 
 def test_at_most_so_many_streams_are_cut_a_step_the_thinnest_first():
     cuts = cuts_after([60])
-    streams = [SimpleNamespace(played_out_at=i / 1000)
-               for i in range(CUTS_PER_STEP + 8, 0, -1)]
-    assert cuts.running_thin(streams, 0.0) == streams[::-1][:CUTS_PER_STEP]
+    per_step = EngineOptions().thin_cuts_per_step
+    streams = [SimpleNamespace(played_out_at=i / 1000) for i in range(per_step + 8, 0, -1)]
+    assert cuts.running_thin(streams, 0.0) == streams[::-1][:per_step]
+    assert cuts.uncut_thin == 8
+    wider = cuts_after([60], thin_cuts_per_step=per_step + 8)
+    assert wider.running_thin(streams, 0.0) == streams[::-1]
+    assert wider.uncut_thin == 0
 
 
 def play_out(step_s: list[float], cuts: OnDemandCuts, frames: int = 300) -> tuple[float, float, int]:

@@ -11,8 +11,8 @@ crossfade, so a first chunk of F frames gives the listener (F - 4) x 21.3 ms.
   :data:`GUARD_S`), since the second piece comes a step after the first;
 - after it, at the end of each step's window, a stream whose listener would run out of audio
   before the piece after next could arrive (a slow step and :data:`STEP_ENDS_S` from now, plus
-  :data:`GUARD_S`) has its call's audio so far cut and sent, up to :data:`CUTS_PER_STEP` streams
-  a step; the others wait for their call's end (upstream's pieces).
+  :data:`GUARD_S`) has its call's audio so far cut and sent, up to ``thin_cuts_per_step``
+  streams a step (an engine option); the others wait for their call's end (upstream's pieces).
 
 Where the planned cuts assume a step time at admission, these follow what the steps do after
 it: a load that slows the steps later brings cuts back for as long as needed. Measured on the
@@ -42,11 +42,6 @@ GUARD_S = 0.040
 # pass first. The steps' ends and starts: about 25 ms at 1024 read streams on an H100, as
 # estimated from the phases' host times there (not timed on their own)
 STEP_ENDS_S = 0.040
-# At most this many streams cut a step, the thinnest first: each piece costs decode and host
-# time, and cutting every thin stream on an engine that slows down slows it further (uncapped,
-# at 1024 read streams on an H100: decode_emit 19.6 ms a step, 7.6 ms with planned cuts on
-# another H100)
-CUTS_PER_STEP = 32
 
 
 class OnDemandCuts:
@@ -59,9 +54,10 @@ class OnDemandCuts:
         self.lengths = options.first_chunk_lengths
         self.follows_load = options.first_chunk_follows_load and bool(self.lengths)
         self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
-        # thin streams the last step could not cut (over CUTS_PER_STEP): admission by work
+        # thin streams the last step could not cut (over ``cuts_per_step``): admission by work
         # starts no new stream while there are any (WorkAdmission, "Behind")
         self.uncut_thin = 0
+        self.cuts_per_step = options.thin_cuts_per_step
 
     def observe(self, step_s: float) -> None:
         """A step took ``step_s`` seconds."""
@@ -87,11 +83,11 @@ class OnDemandCuts:
     def running_thin(self, streams: Iterable[Stream], now: float) -> list[Stream]:
         """Of ``streams``, those whose listener (:attr:`~.scheduler.Stream.played_out_at`)
         would run out before the piece after next could come: their audio is cut now (the
-        :data:`CUTS_PER_STEP` thinnest)."""
+        ``cuts_per_step`` thinnest)."""
         if not self.follows_load:
             return []
         due = now + self.slow_step_s + STEP_ENDS_S + GUARD_S
         thin = [(s.played_out_at, index, s) for index, s in enumerate(streams)
                 if s.played_out_at is not None and s.played_out_at < due]
-        self.uncut_thin = max(0, len(thin) - CUTS_PER_STEP)
-        return [s for _, _, s in sorted(thin)[:CUTS_PER_STEP]]
+        self.uncut_thin = max(0, len(thin) - self.cuts_per_step)
+        return [s for _, _, s in sorted(thin)[:self.cuts_per_step]]
