@@ -173,6 +173,10 @@ class StepLoop:
         window (:meth:`_launch`); the schedules read their text into TTS work; the streams
         whose audio is generating run a window."""
         self._step_index = next(self._step_counter)
+        # what the last step left beside its window: its admission prefill (the device), the
+        # chat streams' first tokens (the host)
+        self.runner.join_side_stream()
+        self.chat_text.take_first_tokens()
         self.endings.end_aborted()
         self.endings.refuse_late(time.perf_counter())
         if self._faults is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -19,8 +20,9 @@ from ..voices import VoicePrefix, prefix_length
 from .audio_step import AudioStepGraphs, AudioStepInputs
 from .decode_graphs import DecodedAudio, MultiLengthDecodeGraphs
 from .graphs import FirstInLine, separate_capture_stream
-from .llm_step import LLMPrefillGraphs, LLMStepGraphs, LLMStepInputs
+from .llm_step import LLMPrefillGraphs, LLMStepGraphs, LLMStepInputs, sample_next_token
 from .runner import ModelRunner
+from .sampling import CANDIDATE_TOP_K
 from .transfer import HostCopy
 from .tts_prefill import LONG_PREFILL_TOKENS, PREFILL_TOKENS, TextPrefillGraphs
 
@@ -44,6 +46,7 @@ class GraphModelRunner(ModelRunner):
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
         self._speech = FirstInLine(self.device)  # the audio window and the decode
         self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
+        self._side_done: torch.cuda.Event | None = None  # see _on_side_stream
         # the window's rows are the generating streams where attention finds each row's slot
         # itself (visible_ranges), not every slot below the highest (audio_window_rows)
         gathered = (options.audio_window_rows == "generating"
@@ -137,6 +140,11 @@ class GraphModelRunner(ModelRunner):
 
     @contextlib.contextmanager
     def _on_side_stream(self, after: torch.cuda.Event | None):
+        """The block's work on the side stream. Beside the window (``after``), the current
+        stream waits for it only at the next step's start (:meth:`join_side_stream`): this
+        step's decode does not, and what reads its results (the new streams' text prefills,
+        their LLM steps) comes in later steps. Otherwise it waits at once: the same step's text
+        prefills read the speaker embeddings it writes."""
         stream = self._side_stream()
         current = torch.cuda.current_stream(self.device)
         if after is None:
@@ -145,7 +153,33 @@ class GraphModelRunner(ModelRunner):
             stream.wait_event(after)
         with torch.cuda.stream(stream):
             yield
-        current.wait_stream(stream)
+        if after is None:
+            current.wait_stream(stream)
+        else:
+            self._side_done = torch.cuda.Event()
+            self._side_done.record(stream)
+
+    def join_side_stream(self) -> None:
+        if self._side_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._side_done)
+            self._side_done = None
+
+    def launch_first_tokens(self, logits: torch.Tensor, inputs: LLMStepInputs) -> object:
+        """Sampled on the device without a sync (from candidates when every row's ``top_k``
+        allows, llm_step.sample_next_token), the tokens copied to the host as they come."""
+        x = self._on_device(inputs)
+        path = "candidates" if int(inputs.top_k.max()) <= CANDIDATE_TOP_K else "full"
+        return FirstTokens(logits, x, path, HostCopy(sample_next_token(logits, x, path)))
+
+    def collect_first_tokens(self, launched: object) -> list[int]:
+        """The tokens (waits for them); a candidates row that could not be exact is sampled
+        again over the whole vocabulary, on the stream the logits were made on."""
+        first: FirstTokens = launched  # type: ignore[assignment]
+        tokens = first.tokens.wait()
+        if first.path == "candidates" and not bool((tokens >= 0).all()):
+            with torch.cuda.stream(self._side_stream()):
+                tokens = sample_next_token(first.logits, first.inputs, "full").cpu()
+        return tokens.tolist()
 
     def _text_prefill_pass(self, slots: list[int], ids: torch.Tensor, positions: torch.Tensor,
                            valid: torch.Tensor, speaker: torch.Tensor, speaker_at: torch.Tensor) -> None:
@@ -167,3 +201,14 @@ def create_runner(model: LoadedModel, options: EngineOptions, penalty_width: int
     on_gpu = next(model.tts.parameters()).device.type == "cuda"
     runner = GraphModelRunner if options.cuda_graphs and on_gpu else ModelRunner
     return runner(model, options, penalty_width)
+
+
+@dataclass
+class FirstTokens:
+    """Chat streams' first tokens sampled from their prefill logits, on their way to the host
+    (:meth:`GraphModelRunner.launch_first_tokens`)."""
+
+    logits: torch.Tensor
+    inputs: LLMStepInputs
+    path: str
+    tokens: HostCopy

@@ -197,6 +197,17 @@ class ModelRunner:
         """Sample from prefill logits with the decode step's processors."""
         return sample_next_token(logits, self._on_device(inputs)).tolist()
 
+    def launch_first_tokens(self, logits: torch.Tensor, inputs: LLMStepInputs) -> object:
+        """:meth:`sample_first_tokens` without waiting for the device where it can;
+        :meth:`collect_first_tokens` gives the tokens (eager: sampled at once)."""
+        return self.sample_first_tokens(logits, inputs)
+
+    def collect_first_tokens(self, launched: object) -> list[int]:
+        return launched  # type: ignore[return-value]
+
+    def join_side_stream(self) -> None:
+        """The current stream waits for the work left on a side stream (eager: none)."""
+
     def llm_step(self, slots: list[int], inputs: LLMStepInputs) -> list[int]:
         """One decode step of the chat streams in LLM ``slots``; their next tokens."""
         self._count_llm_step(len(slots), self.llm_cache.max_positions + 1, inputs)

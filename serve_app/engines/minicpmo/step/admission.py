@@ -67,7 +67,7 @@ class Admission:
             self.runner.clear_tts_slot(stream.slot)
         try:
             with self.runner.admission_stream(beside_window):
-                self._prefill_pass(admitted, prompts)
+                self._prefill_pass(admitted, prompts, beside_window)
         except Exception as error:
             logger.exception("prefill failed")
             for stream in admitted:
@@ -76,8 +76,11 @@ class Admission:
         for stream in admitted:
             self._init_schedule(stream)
 
-    def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]]) -> None:
-        """One LLM prefill of the admitted streams' prompts."""
+    def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]],
+                      beside_window: bool) -> None:
+        """One LLM prefill of the admitted streams' prompts. Beside the window with
+        ``prefill_beside_window``, the chat streams' first tokens are read at the next step's
+        start (:meth:`~.chat_text.ChatTextSteps.take_first_tokens`), not waited for here."""
         chat_rows = [i for i, s in enumerate(streams) if s.plan.is_chat]
         logits = self.runner.prefill_prompts(prompts, [s.voice for s in streams],
                                              [s.slot for s in streams], self._spk_id, chat_rows,
@@ -87,9 +90,12 @@ class Admission:
         chat_streams = [streams[i] for i in chat_rows]
         for i, stream in zip(chat_rows, chat_streams):
             self.chat_text.chat.start(stream, prefix_length(stream.voice) + len(prompts[i]))
-        tokens = self.runner.sample_first_tokens(logits, self.chat_text.chat.inputs(chat_streams))
-        for stream, token in zip(chat_streams, tokens):
-            self.chat_text.accept_token(stream, token)
+        launched = self.runner.launch_first_tokens(logits, self.chat_text.chat.inputs(chat_streams))
+        self.chat_text.hold_first_tokens(chat_streams, launched)
+        if beside_window and self.options.prefill_beside_window:
+            self.runner.work.update(first_tokens_next_step=1)
+        else:
+            self.chat_text.take_first_tokens()
 
     def _tokenizer(self) -> Callable[[str], list[int]]:
         """A new stream's TTS text tokenizer: its ids of a text, as the TTS tokenizer's

@@ -37,15 +37,32 @@ class ChatTextSteps:
         self.scheduler = scheduler
         self.runner = runner
         self.chat = chat
+        # admitted chat streams whose first tokens are on their way (the runner's handle)
+        self._first_tokens: list[tuple[list[Stream], object]] = []
 
     def rows(self) -> list[Stream]:
         """Chat streams that want their next LLM token (:meth:`wants_token`)."""
         return [s for s in self.scheduler.running() if self.wants_token(s)]
 
     def wants_token(self, s: Stream) -> bool:
-        """A chat stream whose text is not done, below the lookahead."""
+        """A chat stream whose text is not done, below the lookahead (and past its first
+        token: one still on its way has no ``next_token``)."""
         return (s.plan.is_chat and not s.text_done and s.llm_slot >= 0
-                and s.schedule is not None and len(s.pieces) < self.options.llm_lookahead_pieces)
+                and s.schedule is not None and s.next_token is not None
+                and len(s.pieces) < self.options.llm_lookahead_pieces)
+
+    def hold_first_tokens(self, streams: list[Stream], launched: object) -> None:
+        """Admitted chat streams' first tokens, launched by the runner, to take later."""
+        self._first_tokens.append((streams, launched))
+
+    def take_first_tokens(self) -> None:
+        """The held first tokens into their streams (waits for them); a stream that ended
+        since (its LLM slot given back) takes none."""
+        held, self._first_tokens = self._first_tokens, []
+        for streams, launched in held:
+            for stream, token in zip(streams, self.runner.collect_first_tokens(launched)):
+                if stream.llm_slot >= 0:
+                    self.accept_token(stream, token)
 
     def overlaps(self) -> bool:
         """With ``overlap_llm_step``, while some stream's audio is generating and a chat stream
