@@ -281,6 +281,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             overlap_llm_step=getattr(args, "overlap_llm_step", False),
                             prefill_beside_window=getattr(args, "prefill_beside_window",
                                                           False),
+                            prefill_stream_of_its_own=getattr(
+                                args, "prefill_stream_of_its_own", False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             audio_cuts=getattr(args, "audio_cuts", "planned"),
                             thin_cuts_per_step=getattr(args, "thin_cuts_per_step",

@@ -114,6 +114,9 @@ class EngineOptions:
     # it; the window keeps the device's highest priority. The same kernels on the same inputs
     # (the prefill graphs are captured on a stream of their own, graphs.py): scheduling only
     prefill_beside_window: StrictBool = False
+    # with it, the prefill on a CUDA stream of its own (its graphs captured on one of their own),
+    # beside the LLM steps as well, which then no longer queue behind it; for the A/B
+    prefill_stream_of_its_own: StrictBool = False
     # the audio window's rows in its CUDA graphs: "generating", one row per stream that makes
     # audio this step (with visible_ranges attention, which finds each row's slot itself; other
     # kernels slice the cache, so they keep "slot_range"), or "slot_range", every slot below the

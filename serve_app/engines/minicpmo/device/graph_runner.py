@@ -44,6 +44,7 @@ class GraphModelRunner(ModelRunner):
     def __init__(self, model: LoadedModel, options: EngineOptions, penalty_width: int) -> None:
         super().__init__(model, options, penalty_width)
         self._llm_stream: torch.cuda.Stream | None = None  # for llm_launch, made on first use
+        self._prefill_stream: torch.cuda.Stream | None = None  # prefill_stream_of_its_own
         self._speech = FirstInLine(self.device)  # the audio window and the decode
         self._window_queued: torch.cuda.Event | None = None  # see launch_audio_window
         self._side_done: torch.cuda.Event | None = None  # see _on_side_stream
@@ -68,9 +69,14 @@ class GraphModelRunner(ModelRunner):
         # With prefill_beside_window the admission prefill replays on the LLM step's stream:
         # both are captured on one stream of their own (graphs.py: separate_capture_stream)
         self.prefill_beside_window = options.prefill_beside_window
+        # (prefill_stream_of_its_own: on a stream of its own, beside the LLM steps too, so its
+        # graphs get a capture stream of their own as well)
+        self._own_prefill_stream = options.prefill_stream_of_its_own
         llm_capture = separate_capture_stream()
+        prefill_capture = (separate_capture_stream(llm_capture) if self._own_prefill_stream
+                           else llm_capture)
         self.audio_graphs.capture_all()
-        self.llm_prefill_graphs.capture_all(llm_capture if self.prefill_beside_window else None)
+        self.llm_prefill_graphs.capture_all(prefill_capture if self.prefill_beside_window else None)
         for graphs in self.text_prefill_graphs.values():
             graphs.capture_all()
         self.llm_graphs.capture_all(llm_capture)
@@ -129,6 +135,14 @@ class GraphModelRunner(ModelRunner):
             self._llm_stream = torch.cuda.Stream(self.device)
         return self._llm_stream
 
+    def _admission_side_stream(self) -> torch.cuda.Stream:
+        """The LLM step's stream, or with ``prefill_stream_of_its_own`` one of the prefill's."""
+        if not self._own_prefill_stream:
+            return self._side_stream()
+        if self._prefill_stream is None:
+            self._prefill_stream = torch.cuda.Stream(self.device)
+        return self._prefill_stream
+
     def admission_stream(self, beside_window: bool) -> contextlib.AbstractContextManager:
         """With ``prefill_beside_window``, the admission's prefill on the LLM step's stream
         (after its step, whose graphs share its capture stream): beside the audio window when
@@ -145,7 +159,7 @@ class GraphModelRunner(ModelRunner):
         step's decode does not, and what reads its results (the new streams' text prefills,
         their LLM steps) comes in later steps. Otherwise it waits at once: the same step's text
         prefills read the speaker embeddings it writes."""
-        stream = self._side_stream()
+        stream = self._admission_side_stream()
         current = torch.cuda.current_stream(self.device)
         if after is None:
             stream.wait_stream(current)
@@ -177,7 +191,7 @@ class GraphModelRunner(ModelRunner):
         first: FirstTokens = launched  # type: ignore[assignment]
         tokens = first.tokens.wait()
         if first.path == "candidates" and not bool((tokens >= 0).all()):
-            with torch.cuda.stream(self._side_stream()):
+            with torch.cuda.stream(self._admission_side_stream()):
                 tokens = sample_next_token(first.logits, first.inputs, "full").cpu()
         return tokens.tolist()
 

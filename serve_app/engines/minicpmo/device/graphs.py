@@ -28,7 +28,7 @@ def shortest_span(spans: list[int], last: int) -> int:
     return next((span for span in spans if span > last), spans[-1])
 
 
-def separate_capture_stream() -> torch.cuda.Stream:
+def separate_capture_stream(*others: torch.cuda.Stream) -> torch.cuda.Stream:
     """A capture stream for graphs that replay *while* graphs captured the default way run.
 
     cuBLAS (and cuBLASLt) pick their workspace per stream, and a captured matmul bakes in the
@@ -37,15 +37,17 @@ def separate_capture_stream() -> torch.cuda.Stream:
     time on two streams run matmuls that scribble over each other's workspace: on an H100 the
     engine's overlapped LLM step hung its audio window that way (docs/benchmarks/README.md,
     "The overlapped chat LLM step"). Streams come from a small pool that torch hands out in
-    turn, so this takes the first that is not the default capture stream.
+    turn, so this takes the first that is not the default capture stream (nor one of
+    ``others``: capture streams of graphs that replay beside these).
     """
     default = torch.cuda.graph.default_capture_stream
     if default is None:  # made with the first graph; make it now so the two differ
         torch.cuda.graph(torch.cuda.CUDAGraph())
         default = torch.cuda.graph.default_capture_stream
+    taken = {default.cuda_stream, *(other.cuda_stream for other in others)}
     for _ in range(256):
         stream = torch.cuda.Stream()
-        if stream.cuda_stream != default.cuda_stream:
+        if stream.cuda_stream not in taken:
             return stream
     raise RuntimeError("no CUDA stream other than the default capture stream")
 
