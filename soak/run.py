@@ -28,8 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ import yaml
 from harness.service import git_commit, replicas, start_service, stop_service
 from soak.memory import MemorySampler
 from soak.payloads import BAD_REQUESTS, SENTENCES, speech_request, valid_audio
+from soak.tally import Tally
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "soak"
@@ -62,37 +61,6 @@ def soak_config(config_path: Path, port: int) -> dict[str, Any]:
 
 def synthesizer_pids() -> list[int]:
     return sorted(pid for name, pid, _ in replicas(APP) if name == "Synthesizer")
-
-
-@dataclass
-class Tally:
-    started_s: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    counts: Counter = field(default_factory=Counter)
-    statuses: Counter = field(default_factory=Counter)
-    server_errors_at_s: list[float] = field(default_factory=list)
-    ttfb_s: list[float] = field(default_factory=list)
-    lost_examples: list[dict] = field(default_factory=list)
-    crash_sent_at_s: float | None = None
-    recovered_at_s: float | None = None
-
-    def now(self) -> float:
-        return time.monotonic() - self.started_s
-
-    def add(self, key: str, n: int = 1) -> None:
-        with self.lock:
-            self.counts[key] += n
-
-    def awaiting_recovery(self) -> bool:
-        """A crash was sent and no request started after it has completed yet."""
-        with self.lock:
-            return self.crash_sent_at_s is not None and self.recovered_at_s is None
-
-    def status(self, code: int, refusal: bool = False) -> None:
-        with self.lock:
-            self.statuses[str(code)] += 1
-            if code >= 500 and not refusal:
-                self.server_errors_at_s.append(self.now())
 
 
 def is_refusal(response: httpx.Response) -> bool:
@@ -152,6 +120,8 @@ def one_speech(client: httpx.Client, tally: Tally, rng: random.Random, disconnec
         return False
     except httpx.HTTPError:
         tally.add("errored" if accepted else "connection_errors")
+        if accepted:
+            tally.errored(path)
         return False
     if valid_audio(data, audio_format):
         tally.add("completed")
@@ -322,6 +292,7 @@ def run_load(base_url: str, duration_s: float, concurrency: int, crash_at_s: flo
                    "accepted": counts["burst_accepted"], "refused": counts["burst_refused"],
                    "rejected_5xx": counts["burst_rejected_5xx"]},
         "lost_examples": tally.lost_examples[:10],
+        "errored_at": tally.errored_at[:20],  # when a stream was cut short, by which route
         "rejected_4xx": counts["rejected_4xx"],
         "rejected_5xx": counts["rejected_5xx"],
         "bad_requests_refused_for_load": counts["bad_request_refused"],

@@ -43,6 +43,9 @@ def test_a_minute_of_mixed_load_with_a_crash_loses_nothing(tmp_path: Path) -> No
     assert report["non_json_errors"] == 0 and report["bad_request_accepted"] == 0, report
     assert report["completed"] > 0 and report["client_disconnects"] > 0, report
     assert report["rejected_4xx"] > 0, report
+    # each stream cut short is recorded with its time and route (the crash's are after it)
+    assert len(report["errored_at"]) == min(report["errored"], 20), report
+    assert all(e["at_s"] >= 0 and e["path"].startswith("/v1/") for e in report["errored_at"])
     crash = report["crash"]
     assert crash["recovered_at_s"] is not None, report
     assert set(crash["synthesizer_pids_after"]) != set(crash["synthesizer_pids_before"]), report
