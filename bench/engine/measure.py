@@ -283,6 +283,7 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                                                           False),
                             prefill_stream_of_its_own=getattr(
                                 args, "prefill_stream_of_its_own", False),
+                            packed_prefill=getattr(args, "packed_prefill", False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             audio_cuts=getattr(args, "audio_cuts", "planned"),
                             thin_cuts_per_step=getattr(args, "thin_cuts_per_step",

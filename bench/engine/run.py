@@ -103,6 +103,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="chat: launch the LLM step beside the audio window (EngineOptions)")
     parser.add_argument("--thin-cuts-per-step", type=int, default=EngineOptions.thin_cuts_per_step,
                         help="audio cut on demand: streams cut a step at most (EngineOptions)")
+    parser.add_argument("--packed-prefill", action="store_true",
+                        help="admission prompts packed into one row (EngineOptions.packed_prefill)")
     parser.add_argument("--prefill-stream-of-its-own", action="store_true",
                         help="with --prefill-beside-window: the prefill on a stream of its own")
     parser.add_argument("--prefill-beside-window", action="store_true",

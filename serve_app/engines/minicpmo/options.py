@@ -158,6 +158,14 @@ class EngineOptions:
     # graphs are captured for batches up to it; a larger admission ran eagerly, and such steps
     # took 0.2-1.3 s at 256-320 read streams on an H100 (docs/benchmarks/README.md)
     prefill_prompts: Positive = 8
+    # the admission prefill's prompts packed into one row, each attending to its own tokens
+    # (device/packed_prefill.py), not padded to the longest and to graph buckets: the same
+    # computation on fewer tokens, but other matmul shapes, so other rounding (as a batch's
+    # size already brings: batch-invariance-h200.json). Prompts in a cloned voice stay padded.
+    # Off until measured: equal to the padded pass to float32 rounding on the tiny checkpoint
+    # (tests/engines/minicpmo/test_packed_prefill.py); on a GPU neither its speed nor its drift
+    # in bf16 has been measured; trained weights cannot be loaded here
+    packed_prefill: StrictBool = False
     quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
     # smaller GPU would: the A10G profile's 22 leaves an A10G's CUDA context room

@@ -21,6 +21,7 @@ from .audio_step import AudioStepGraphs, AudioStepInputs
 from .decode_graphs import DecodedAudio, MultiLengthDecodeGraphs
 from .graphs import FirstInLine, separate_capture_stream
 from .llm_step import LLMPrefillGraphs, LLMStepGraphs, LLMStepInputs, sample_next_token
+from .packed_prefill import PackedPrefillGraphs, PackedPrompts
 from .runner import ModelRunner
 from .sampling import CANDIDATE_TOP_K
 from .transfer import HostCopy
@@ -75,8 +76,12 @@ class GraphModelRunner(ModelRunner):
         llm_capture = separate_capture_stream()
         prefill_capture = (separate_capture_stream(llm_capture) if self._own_prefill_stream
                            else llm_capture)
+        self.packed_graphs = (PackedPrefillGraphs(model.llm, model.config.llm, self.device,
+                                                  self.dtype) if self.packed_prefill else None)
         self.audio_graphs.capture_all()
         self.llm_prefill_graphs.capture_all(prefill_capture if self.prefill_beside_window else None)
+        if self.packed_graphs is not None:
+            self.packed_graphs.capture_all(prefill_capture if self.prefill_beside_window else None)
         for graphs in self.text_prefill_graphs.values():
             graphs.capture_all()
         self.llm_graphs.capture_all(llm_capture)
@@ -103,6 +108,13 @@ class GraphModelRunner(ModelRunner):
             self.work.update(llm_prefill_eager=1)
             return super().llm_prefill(ids, valid, voices)
         return graphs.run(ids, valid, voices), graphs.cache
+
+    def llm_packed(self, packed: PackedPrompts) -> tuple[torch.Tensor, SlotKVCache]:
+        graphs = self.packed_graphs
+        if graphs is None or not graphs.fits(len(packed.ids)):
+            self.work.update(llm_prefill_eager=1)
+            return super().llm_packed(packed)
+        return graphs.run(packed), graphs.cache
 
     def launch_decode(self, frames: Sequence[list[list[int]]]) -> DecodedAudio:
         if isinstance(self.decoder, MultiLengthDecodeGraphs):  # pieces of other lengths: eager

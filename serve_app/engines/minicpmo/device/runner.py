@@ -27,6 +27,7 @@ from ..voices import VoicePrefix, VoiceTurn, prefix_length
 from .audio_step import AudioStepInputs, attention_span, audio_window
 from .audio_step import key_count_buckets, window_key_reads
 from .decode_graphs import DecodedAudio, queue_decode
+from .packed_prefill import PackedPrompts, llm_packed_prefill
 from .llm_step import (
     LLMStepInputs,
     llm_decode_step,
@@ -67,6 +68,7 @@ class ModelRunner:
         self.speakers = torch.zeros(options.max_slots, cfg.tts.hidden_size, device=self.device,
                                     dtype=self.dtype)
         self.one_query_attention = options.one_query_attention
+        self.packed_prefill = options.packed_prefill  # admission prompts in one row
         # decode-step attention that reads only the key blocks (flex) or the keys each row sees,
         # whatever the span (layers.py)
         self.reads_only_visible = options.one_query_attention in ("flex", "visible_ranges")
@@ -123,6 +125,8 @@ class ModelRunner:
         embedding (the hidden state at its last ``spk_id``) goes to TTS slot ``slots[i]``; rows
         ``chat_rows`` keep their keys and values (voice turn included) in LLM slots
         ``llm_slots`` and get their next-token logits."""
+        if self.packed_prefill and all(voice is None for voice in voices):
+            return self._prefill_packed(prompts, slots, spk_id, chat_rows, llm_slots)
         longest = max(len(p) for p in prompts)
         batch = len(prompts)
         ids = torch.zeros(batch, longest, dtype=torch.long)
@@ -149,6 +153,47 @@ class ModelRunner:
                 layer_target[targets, :, :longest_chat] = layer_source[rows, :, :longest_chat]
         last = device_tensor([len(prompts[i]) - 1 for i in chat_rows], self.device)
         return self.model.llm.logits(hidden[rows, last])
+
+    def _prefill_packed(self, prompts: Sequence[list[int]], slots: Sequence[int], spk_id: int,
+                        chat_rows: Sequence[int], llm_slots: Sequence[int]) -> torch.Tensor | None:
+        """:meth:`prefill_prompts` with the prompts packed into one row (``packed_prefill``,
+        :mod:`.packed_prefill`): the same speaker embeddings, chat keys and values and
+        first-token logits, from the real tokens only."""
+        packed = PackedPrompts.of(prompts)
+        hidden, cache = self.llm_packed(packed)
+        self.work.update(llm_prefill_passes=1, llm_prefill_packed=1,
+                         llm_prefill_tokens=len(packed.ids))
+        spk_at = [start + max(i for i, t in enumerate(p) if t == spk_id)
+                  for start, p in zip(packed.starts, prompts)]
+        speakers = self.model.tts.speaker_embedding(hidden[device_tensor(spk_at, self.device)])
+        self.speakers[device_tensor(list(slots), self.device)] = speakers
+        if not chat_rows:
+            return None
+        # each chat prompt's keys and values, from its place in the row to its LLM slot's start:
+        # one indexed copy for every layer
+        slot_at, position_at, flat_at = [], [], []
+        for row, llm_slot in zip(chat_rows, llm_slots):
+            length, start = len(prompts[row]), packed.starts[row]
+            slot_at += [llm_slot] * length
+            position_at += range(length)
+            flat_at += range(start, start + length)
+        target = (device_tensor(slot_at, self.device), device_tensor(position_at, self.device))
+        flat = device_tensor(flat_at, self.device)
+        for store, source in ((self.llm_cache.all_keys, cache.all_keys),
+                              (self.llm_cache.all_values, cache.all_values)):
+            # [tokens, layers, kv_heads, head_dim] on both sides
+            store[:, target[0], :, target[1]] = source[:, 0, :, flat].permute(2, 0, 1, 3)
+        last = [packed.starts[row] + len(prompts[row]) - 1 for row in chat_rows]
+        return self.model.llm.logits(hidden[device_tensor(last, self.device)])
+
+    def llm_packed(self, packed: PackedPrompts) -> tuple[torch.Tensor, SlotKVCache]:
+        """Hidden states [T, H] of packed prompts and the one-row cache holding them."""
+        total = len(packed.ids)
+        cache = SlotKVCache(self.model.config.llm, 1, total, self.device, self.dtype)
+        ids, positions, segment = (to_device(t, self.device)
+                                   for t in (packed.ids, packed.positions, packed.segment))
+        valid = torch.ones(total, dtype=torch.bool, device=self.device)
+        return llm_packed_prefill(self.model.llm, cache, ids, positions, segment, valid), cache
 
     def llm_prefill(self, ids: torch.Tensor, valid: torch.Tensor,
                     voices: Sequence[VoicePrefix | None]) -> tuple[torch.Tensor, SlotKVCache]:
