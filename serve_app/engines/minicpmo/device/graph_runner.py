@@ -78,10 +78,12 @@ class GraphModelRunner(ModelRunner):
                            else llm_capture)
         self.packed_graphs = (PackedPrefillGraphs(model.llm, model.config.llm, self.device,
                                                   self.dtype) if self.packed_prefill else None)
+        # the admission prefill's graphs (padded and packed): beside the window, or in line
+        admission_capture = prefill_capture if self.prefill_beside_window else None
         self.audio_graphs.capture_all()
-        self.llm_prefill_graphs.capture_all(prefill_capture if self.prefill_beside_window else None)
+        self.llm_prefill_graphs.capture_all(admission_capture)
         if self.packed_graphs is not None:
-            self.packed_graphs.capture_all(prefill_capture if self.prefill_beside_window else None)
+            self.packed_graphs.capture_all(admission_capture)
         for graphs in self.text_prefill_graphs.values():
             graphs.capture_all()
         self.llm_graphs.capture_all(llm_capture)

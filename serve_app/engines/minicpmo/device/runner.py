@@ -52,6 +52,11 @@ def pass_fits(prompts: int, longest: int, budget: int) -> bool:
     return prompts <= 1 or prompts * longest <= budget
 
 
+def last_index(ids: Sequence[int], token: int) -> int:
+    """Where ``token`` last occurs in ``ids`` (a prompt's ``<|spk|>``)."""
+    return max(i for i, t in enumerate(ids) if t == token)
+
+
 class ModelRunner:
     """Eager steps over the slot caches (CPU, or a GPU with ``cuda_graphs`` off)."""
 
@@ -137,10 +142,8 @@ class ModelRunner:
         hidden, cache = self.llm_prefill(ids, valid, voices)
         self.work.update(llm_prefill_passes=1, llm_prefill_tokens=int(valid.sum()))
         every = torch.arange(batch, device=self.device)
-        spk_index = device_tensor([max(i for i, t in enumerate(p) if t == spk_id) for p in prompts],
-                                  self.device)
-        speakers = self.model.tts.speaker_embedding(hidden[every, spk_index])
-        self.speakers[device_tensor(list(slots), self.device)] = speakers
+        spk_index = device_tensor([last_index(p, spk_id) for p in prompts], self.device)
+        self._keep_speakers(hidden[every, spk_index], slots)
         if not chat_rows:
             return None
         # the chat prompts stay in their LLM slots for decoding: one copy per layer for all of
@@ -163,10 +166,8 @@ class ModelRunner:
         hidden, cache = self.llm_packed(packed)
         self.work.update(llm_prefill_passes=1, llm_prefill_packed=1,
                          llm_prefill_tokens=len(packed.ids))
-        spk_at = [start + max(i for i, t in enumerate(p) if t == spk_id)
-                  for start, p in zip(packed.starts, prompts)]
-        speakers = self.model.tts.speaker_embedding(hidden[device_tensor(spk_at, self.device)])
-        self.speakers[device_tensor(list(slots), self.device)] = speakers
+        spk_at = [start + last_index(p, spk_id) for start, p in zip(packed.starts, prompts)]
+        self._keep_speakers(hidden[device_tensor(spk_at, self.device)], slots)
         if not chat_rows:
             return None
         # each chat prompt's keys and values, from its place in the row to its LLM slot's start:
@@ -185,6 +186,12 @@ class ModelRunner:
             store[:, target[0], :, target[1]] = source[:, 0, :, flat].permute(2, 0, 1, 3)
         last = [packed.starts[row] + len(prompts[row]) - 1 for row in chat_rows]
         return self.model.llm.logits(hidden[device_tensor(last, self.device)])
+
+    def _keep_speakers(self, spk_states: torch.Tensor, slots: Sequence[int]) -> None:
+        """Each prompt's speaker embedding, from its hidden state at ``<|spk|>`` [N, H], into
+        its TTS slot's row of the table the text prefills read."""
+        speakers = self.model.tts.speaker_embedding(spk_states)
+        self.speakers[device_tensor(list(slots), self.device)] = speakers
 
     def llm_packed(self, packed: PackedPrompts) -> tuple[torch.Tensor, SlotKVCache]:
         """Hidden states [T, H] of packed prompts and the one-row cache holding them."""
@@ -238,14 +245,11 @@ class ModelRunner:
         keys, values = cache.read_prefix(0, len(turn.token_ids))
         return VoicePrefix(voice_id, list(turn.token_ids), keys, values)
 
-    def sample_first_tokens(self, logits: torch.Tensor, inputs: LLMStepInputs) -> list[int]:
-        """Sample from prefill logits with the decode step's processors."""
-        return sample_next_token(logits, self._on_device(inputs)).tolist()
-
     def launch_first_tokens(self, logits: torch.Tensor, inputs: LLMStepInputs) -> object:
-        """:meth:`sample_first_tokens` without waiting for the device where it can;
-        :meth:`collect_first_tokens` gives the tokens (eager: sampled at once)."""
-        return self.sample_first_tokens(logits, inputs)
+        """Sample chat streams' first tokens from prefill logits with the decode step's
+        processors, without waiting for the device where it can; :meth:`collect_first_tokens`
+        gives the tokens (eager: sampled at once)."""
+        return sample_next_token(logits, self._on_device(inputs)).tolist()
 
     def collect_first_tokens(self, launched: object) -> list[int]:
         return launched  # type: ignore[return-value]
