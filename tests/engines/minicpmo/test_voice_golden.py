@@ -32,6 +32,7 @@ def engine(voice_checkpoint):
     model = load_speech_model(str(voice_checkpoint), device="cpu", dtype=torch.float32,
                               audio_encoder=True)
     options = EngineOptions(model=str(voice_checkpoint), device="cpu", dtype="float32",
+                            admission="slots",  # as tiny_engine.py: a busy CPU refuses by work
                             max_slots=4, max_chat_slots=2, tts_max_positions=1024,
                             llm_max_positions=512, tts_sampling="greedy", keep_traces=True)
     engine = MiniCPMOEngine(model, options)

@@ -33,8 +33,10 @@ READ_LENGTHS = LengthControls(ignore_eos=True, audio_frames=50)
 def make_engine(checkpoint, **options) -> MiniCPMOEngine:
     model = load_speech_model(str(checkpoint), device="cpu", dtype=torch.float32,
                               audio_encoder=True)
-    settings = dict(model=str(checkpoint), device="cpu", dtype="float32", max_slots=6,
-                    max_chat_slots=2, tts_max_positions=1024, llm_max_positions=512,
+    # admission by slots, as the suite's other engines (tiny_engine.py): by work, a CPU busy with
+    # other work measured slow steps and refused streams this test needs (a fresh-clone run)
+    settings = dict(model=str(checkpoint), device="cpu", dtype="float32", admission="slots",
+                    max_slots=6, max_chat_slots=2, tts_max_positions=1024, llm_max_positions=512,
                     tts_sampling="greedy", keep_traces=True)
     return MiniCPMOEngine(model, EngineOptions(**{**settings, **options}))
 
