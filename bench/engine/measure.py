@@ -284,6 +284,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                             prefill_stream_of_its_own=getattr(
                                 args, "prefill_stream_of_its_own", False),
                             packed_prefill=getattr(args, "packed_prefill", False),
+                            first_text_beside_window=getattr(args, "first_text_beside_window",
+                                                             False),
                             first_chunk_frames=getattr(args, "first_chunk_frames", None),
                             audio_cuts=getattr(args, "audio_cuts", "planned"),
                             thin_cuts_per_step=getattr(args, "thin_cuts_per_step",

@@ -107,6 +107,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="admission prompts packed into one row (EngineOptions.packed_prefill)")
     parser.add_argument("--prefill-stream-of-its-own", action="store_true",
                         help="with --prefill-beside-window: the prefill on a stream of its own")
+    parser.add_argument("--first-text-beside-window", action="store_true",
+                        help="with --prefill-beside-window: new chat streams' first text in "
+                             "their admission step (EngineOptions.first_text_beside_window)")
     parser.add_argument("--prefill-beside-window", action="store_true",
                         help="a busy engine's admission prefill beside the audio window, on the "
                              "LLM step's stream (EngineOptions.prefill_beside_window)")

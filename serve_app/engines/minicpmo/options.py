@@ -117,6 +117,12 @@ class EngineOptions:
     # with it, the prefill on a CUDA stream of its own (its graphs captured on one of their own),
     # beside the LLM steps as well, which then no longer queue behind it; for the A/B
     prefill_stream_of_its_own: StrictBool = False
+    # with it, the chat streams it admits get their first text in the same step: their first
+    # tokens are taken after the LLM step beside the window (which the prefill already waits
+    # behind on the LLM stream), before the further LLM steps for streams waiting for text, which
+    # then include them; without it those tokens are taken at the next step's start and the new
+    # streams' first text comes a step later. The same tokens: scheduling only
+    first_text_beside_window: StrictBool = False
     # the audio window's rows in its CUDA graphs: "generating", one row per stream that makes
     # audio this step (with visible_ranges attention, which finds each row's slot itself; other
     # kernels slice the cache, so they keep "slot_range"), or "slot_range", every slot below the

@@ -176,7 +176,7 @@ class StepLoop:
         # what the last step left beside its window: its admission prefill (the device), the
         # chat streams' first tokens (the host)
         self.runner.join_side_stream()
-        self.chat_text.take_first_tokens()
+        self.chat_text.take_first_tokens(counted_as="first_tokens_next_step")
         self.endings.end_aborted()
         self.endings.refuse_late(time.perf_counter())
         if self._faults is not None:
@@ -230,7 +230,9 @@ class StepLoop:
             self._admit(beside_window=True)
             self.phases.lap("admit_prefill")
         text = plan.text
-        if text is not None and waiting_for_text(text.streams):
+        if ((text is not None and waiting_for_text(text.streams))
+                or (self.options.first_text_beside_window
+                    and self.chat_text.holds_first_tokens())):
             self.chat_text.beside_window(text)
             text = None
             self.phases.lap("llm_decode")

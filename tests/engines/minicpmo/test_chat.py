@@ -90,18 +90,21 @@ def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
     second stream arrives while the first speaks: its first text comes from several LLM steps
     launched one after another beside the audio window, in one engine step. With
     ``prefill_beside_window`` too, that stream's prefill runs while the window runs and its
-    first token is taken at the next step's start: the same answers."""
+    first token is taken at the next step's start; with ``first_text_beside_window`` as well, in
+    the same step, before the LLM steps for its first text: the same answers."""
     model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
     requests = [SpeechRequest(request_id=f"long-{i}", text=text, mode="chat",
                               sampling=SamplingParams(temperature=0.0, repetition_penalty=1.0),
                               lengths=LengthControls(llm_tokens=36, audio_frames=60))
                 for i, text in enumerate(["Tell me about rivers.", "What is the tallest mountain?"])]
 
-    def answers(overlap: bool, beside: bool = False) -> tuple[list[str], int, int, int]:
+    def answers(overlap: bool, beside: bool = False,
+                first_text: bool = False) -> tuple[list[str], int, int, tuple[int, int]]:
         options = EngineOptions(model=str(tiny_checkpoint), device="cpu", dtype="float32",
                                 admission="slots", max_slots=4, max_chat_slots=3, tts_max_positions=1024,
                                 llm_max_positions=256, overlap_llm_step=overlap,
-                                prefill_beside_window=beside)
+                                prefill_beside_window=beside,
+                                first_text_beside_window=first_text)
         engine = MiniCPMOEngine(model, options)
         try:
             async def run() -> list[str]:
@@ -116,17 +119,22 @@ def test_overlapped_llm_step_speaks_the_same_answers(tiny_checkpoint):
             most = max((dict(r.work).get("llm_launches", 0) for r in engine.step_log()), default=0)
             work = engine.device_work()
             return (spoken, work.get("llm_launches", 0), most,
-                    work.get("first_tokens_next_step", 0))
+                    (work.get("first_tokens_next_step", 0),
+                     work.get("first_tokens_beside_window", 0)))
         finally:
             engine.close()
 
     in_line, no_launches, _, in_line_deferred = answers(False)
     overlapped, launches, most_in_a_step, deferred = answers(True)
     beside, _, _, beside_deferred = answers(True, beside=True)
+    same_step, _, most_same_step, same_step_deferred = answers(True, beside=True, first_text=True)
     assert no_launches == 0 and launches > 0
-    assert most_in_a_step >= 2  # a waiting stream's LLM steps ran beside one window
-    assert in_line_deferred == deferred == 0 and beside_deferred == 1  # the second stream's
-    assert overlapped == in_line and beside == in_line and all(in_line)
+    assert most_in_a_step >= 2 and most_same_step >= 2  # a waiting stream's LLM steps ran
+    # beside one window; where the second stream's first token was taken: in its admission
+    # (in line), at the next step's start, or in its admission step beside the window
+    assert in_line_deferred == deferred == (0, 0)
+    assert beside_deferred == (1, 0) and same_step_deferred == (0, 1)
+    assert overlapped == in_line and beside == in_line and same_step == in_line and all(in_line)
 
 
 def random_llm_cache_and_step(engine) -> tuple[SlotKVCache, LLMStepInputs]:

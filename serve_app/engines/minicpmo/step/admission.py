@@ -79,8 +79,9 @@ class Admission:
     def _prefill_pass(self, streams: list[Stream], prompts: list[list[int]],
                       beside_window: bool) -> None:
         """One LLM prefill of the admitted streams' prompts. Beside the window with
-        ``prefill_beside_window``, the chat streams' first tokens are read at the next step's
-        start (:meth:`~.chat_text.ChatTextSteps.take_first_tokens`), not waited for here."""
+        ``prefill_beside_window``, the chat streams' first tokens are not waited for here: they
+        are taken after the step's LLM step (``first_text_beside_window``) or at the next step's
+        start (:meth:`~.chat_text.ChatTextSteps.take_first_tokens`)."""
         chat_rows = [i for i, s in enumerate(streams) if s.plan.is_chat]
         logits = self.runner.prefill_prompts(prompts, [s.voice for s in streams],
                                              [s.slot for s in streams], self._spk_id, chat_rows,
@@ -92,9 +93,7 @@ class Admission:
             self.chat_text.chat.start(stream, prefix_length(stream.voice) + len(prompts[i]))
         launched = self.runner.launch_first_tokens(logits, self.chat_text.chat.inputs(chat_streams))
         self.chat_text.hold_first_tokens(chat_streams, launched)
-        if beside_window and self.options.prefill_beside_window:
-            self.runner.work.update(first_tokens_next_step=1)
-        else:
+        if not (beside_window and self.options.prefill_beside_window):
             self.chat_text.take_first_tokens()
 
     def _tokenizer(self) -> Callable[[str], list[int]]:

@@ -55,10 +55,17 @@ class ChatTextSteps:
         """Admitted chat streams' first tokens, launched by the runner, to take later."""
         self._first_tokens.append((streams, launched))
 
-    def take_first_tokens(self) -> None:
+    def holds_first_tokens(self) -> bool:
+        """Some admitted chat stream's first token is on its way (not taken yet)."""
+        return bool(self._first_tokens)
+
+    def take_first_tokens(self, counted_as: str | None = None) -> None:
         """The held first tokens into their streams (waits for them); a stream that ended
-        since (its LLM slot given back) takes none."""
+        since (its LLM slot given back) takes none. ``counted_as``: the device-work counter
+        that records where in the step they were taken (once per step that took some)."""
         held, self._first_tokens = self._first_tokens, []
+        if held and counted_as is not None:
+            self.runner.work.update(**{counted_as: 1})
         for streams, launched in held:
             for stream, token in zip(streams, self.runner.collect_first_tokens(launched)):
                 if stream.llm_slot >= 0:
@@ -90,12 +97,16 @@ class ChatTextSteps:
         """The launched LLM step's tokens (waits for them)."""
         self._take_tokens(text.streams, self.runner.llm_collect(text.launched))
 
-    def beside_window(self, text: LaunchedText) -> None:
-        """The launched LLM step's tokens, then, while a stream's speech waits for text, more
-        steps (up to ``steps_per_sync`` in all), each launched beside the audio window queued
-        last: the running streams' audio is not held up by text that only the waiting streams
-        need now (their pieces are read next step)."""
-        self.collect(text)
+    def beside_window(self, text: LaunchedText | None) -> None:
+        """The launched LLM step's tokens (if one was launched) and the first tokens of chat
+        streams admitted beside the window (``first_text_beside_window``), then, while a
+        stream's speech waits for text, more steps (up to ``steps_per_sync`` in all), each
+        launched beside the audio window queued last: the running streams' audio is not held up
+        by text that only the waiting streams need now (their pieces are read next step)."""
+        if text is not None:
+            self.collect(text)
+        if self.options.first_text_beside_window:
+            self.take_first_tokens(counted_as="first_tokens_beside_window")
         for _ in range(self.options.steps_per_sync - 1):
             streams = self.rows()
             if not streams or not waiting_for_text(streams):
