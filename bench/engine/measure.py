@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -82,12 +83,14 @@ async def run_one(engine: MiniCPMOEngine, request: SpeechRequest, delay_s: float
             "chunk_times_ms": [round((t - submitted) * 1000, 1) for t, _ in arrivals]}
 
 
-async def profile_kernels(engine: MiniCPMOEngine, delay_s: float, seconds: float) -> dict:
+async def profile_kernels(engine: MiniCPMOEngine, delay_s: float, seconds: float,
+                          trace_path: str | None = None) -> dict:
     """``seconds`` of the running level under ``torch.profiler``, from ``delay_s`` after its
     start (the steady state): how busy the GPU was over the window (the kernels' summed time;
     two streams that overlap can make it exceed the window) and the kernels that took the most
     GPU time, with the engine steps the window held. Whether a step is bound by the device or
-    by the host that feeds it is this number."""
+    by the host that feeds it is this number. ``trace_path``: the window's timeline (kernels
+    by CUDA stream, the CUDA runtime calls by host thread) as a gzipped Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     await asyncio.sleep(delay_s)
@@ -98,6 +101,13 @@ async def profile_kernels(engine: MiniCPMOEngine, delay_s: float, seconds: float
         torch.cuda.synchronize()
     window_s = time.perf_counter() - started
     steps = engine.stats().steps - steps_before
+    if trace_path:
+        import gzip
+        import shutil
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path, "rb") as raw, gzip.open(trace_path + ".gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        Path(trace_path).unlink()
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     kernels.sort(key=lambda e: -e.self_device_time_total)
@@ -179,8 +189,9 @@ async def measure_level(engine: MiniCPMOEngine, planned: list[tuple[SpeechReques
     started = time.perf_counter()
     profiled = None
     if getattr(args, "kernel_profile_s", 0) and concurrency > 1 and torch.cuda.is_available():
-        profiled = asyncio.ensure_future(profile_kernels(engine, args.audio_seconds * 0.8,
-                                                         args.kernel_profile_s))
+        profiled = asyncio.ensure_future(profile_kernels(
+            engine, args.audio_seconds * 0.8, args.kernel_profile_s,
+            getattr(args, "kernel_trace_out", None)))
     results = await asyncio.gather(*(run_one(engine, request, delay)
                                      for request, delay in planned))
     wall = time.perf_counter() - started

@@ -122,6 +122,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-phases", action="store_true",
                         help="time each phase of the engine step (syncs the GPU between phases, "
                              "so it slows the engine down; off for headline numbers)")
+    parser.add_argument("--kernel-trace-out", default=None,
+                        help="with --kernel-profile-s: the window's timeline as a Chrome trace "
+                             "(this path + .gz; the last level profiled writes it)")
     parser.add_argument("--kernel-profile-s", type=float, default=0.0,
                         help="profile this many seconds of each level above one stream with "
                              "torch.profiler (GPU busy fraction, top kernels per step; slows "
