@@ -303,6 +303,8 @@ def build_engine(model, args, max_slots: int) -> MiniCPMOEngine:
                                                        EngineOptions.thin_cuts_per_step),
                             audio_window_rows=getattr(args, "audio_window_rows",
                                                       EngineOptions.audio_window_rows),
+                            llm_step_rows=getattr(args, "llm_step_rows",
+                                                  EngineOptions.llm_step_rows),
                             prefill_tokens=getattr(args, "prefill_tokens",
                                                    EngineOptions.prefill_tokens),
                             prefill_prompts=getattr(args, "prefill_prompts",

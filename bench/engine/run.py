@@ -95,6 +95,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--audio-cuts", choices=["planned", "on_demand"], default="planned",
                         help="the engine's audio_cuts: cuts after the first chunk planned at "
                              "admission, or made whenever a listener runs thin")
+    parser.add_argument("--llm-step-rows", choices=["streams", "slot_range"],
+                        default=EngineOptions.llm_step_rows,
+                        help="the chat LLM step's rows (EngineOptions; the A/B)")
     parser.add_argument("--audio-window-rows", choices=["generating", "slot_range"],
                         default=EngineOptions.audio_window_rows,
                         help="the audio window's rows: the generating streams, or every slot "

@@ -134,6 +134,12 @@ class EngineOptions:
     # chat: 1.07 rows computed per frame made against 1.62, the window's phase 18.7 against
     # 23.3 ms a step, the step 0-4 % shorter (docs/benchmarks/README.md, "The audio window's rows")
     audio_window_rows: Literal["generating", "slot_range"] = "generating"
+    # the chat LLM step's rows in its CUDA graphs, the same choice: "streams", one row per chat
+    # stream that takes a token this step (with visible_ranges attention), or "slot_range", every
+    # LLM slot below the highest of them. A chat stream keeps its LLM slot until its text ends,
+    # and a step's rows are only those below their lookahead: at 576 read + 192 chat on an H200
+    # about 15 rows a step took tokens out of a 128-row slot range
+    llm_step_rows: Literal["streams", "slot_range"] = "streams"
     steps_per_sync: Positive = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
     # decode-step attention of the TTS: sdpa | matmul | flex | visible_ranges (layers.py). flex

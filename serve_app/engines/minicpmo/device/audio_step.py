@@ -20,7 +20,13 @@ from ..model.flex_attention import FLEX_KEY_BLOCK
 from ..model.layers import SlotKVCache, StepInputs
 from ..model.range_attention import ranges_mask
 from ..model.modeling import SpeechTokenModel, TTSConfig
-from .graphs import bucket_sizes, capture_per_bucket, row_bucket_sizes, shortest_span
+from .graphs import (
+    bucket_sizes,
+    capture_per_bucket,
+    gathered_slots,
+    row_bucket_sizes,
+    shortest_span,
+)
 from .sampling import sample_or_argmax, top_k_filter, top_p_filter
 from .transfer import HostCopy, to_device
 
@@ -321,11 +327,3 @@ def window_inputs(slots: list[int], x: AudioStepInputs, bucket: int,
     rows = torch.zeros(bucket, packed_columns(x.frame.shape[1]), dtype=torch.long)
     rows[slice(0, len(slots)) if gathered else torch.tensor(slots)] = x.pack()
     return rows
-
-
-def gathered_slots(slots: list[int], bucket: int) -> torch.Tensor:
-    """The slot of each of a gathered window's ``bucket`` rows: the streams' in order, then the
-    first stream's for the padding rows (inactive: they write only its scratch position)."""
-    order = torch.full((bucket,), slots[0], dtype=torch.long)
-    order[:len(slots)] = torch.tensor(slots)
-    return order

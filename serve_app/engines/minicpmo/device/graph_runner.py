@@ -62,8 +62,11 @@ class GraphModelRunner(ModelRunner):
             LONG_PREFILL_TOKENS: TextPrefillGraphs(model.tts, self.tts_cache, self.device,
                                                    max_rows=LONG_TEXT_PREFILL_ROWS,
                                                    width=LONG_PREFILL_TOKENS)}
+        # the same for the LLM step's rows: the chat streams that take a token (llm_step_rows)
         self.llm_graphs = LLMStepGraphs(model.llm, self.llm_cache, penalty_width, self.device,
-                                        whole_span_only=self.llm_attention == "visible_ranges")
+                                        whole_span_only=self.llm_attention == "visible_ranges",
+                                        gathered=(options.llm_step_rows == "streams"
+                                                  and self.llm_attention == "visible_ranges"))
         self.llm_prefill_graphs = LLMPrefillGraphs(
             model.llm, model.config.llm, self.device, self.dtype, max_batch=options.prefill_prompts,
             prefix_lengths=VOICE_PREFIX_BUCKETS if clones_voices(model, options) else (0,))

@@ -22,6 +22,14 @@ def row_bucket_sizes(limit: int, step: int = 64) -> list[int]:
     return sorted(small | set(range(2 * step, limit, step)) | {limit})
 
 
+def gathered_slots(slots: list[int], bucket: int) -> torch.Tensor:
+    """The slot of each of a gathered graph's ``bucket`` rows: the streams' in order, then the
+    first stream's for the padding rows (inactive: they write only its scratch position)."""
+    order = torch.full((bucket,), slots[0], dtype=torch.long)
+    order[:len(slots)] = torch.tensor(slots)
+    return order
+
+
 def shortest_span(spans: list[int], last: int) -> int:
     """The shortest of ``spans`` (ascending key counts a set of graphs is captured for) that
     holds position ``last``; the longest (the whole cache) if none does."""

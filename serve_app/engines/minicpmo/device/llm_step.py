@@ -17,7 +17,14 @@ import torch
 from ..model.layers import DecoderShape, SlotKVCache, StepInputs, causal_attend
 from ..model.modeling import QwenLM
 from ..voices import VoicePrefix
-from .graphs import bucket_sizes, capture_per_bucket, separate_capture_stream, shortest_span
+from .graphs import (
+    bucket_sizes,
+    capture_per_bucket,
+    gathered_slots,
+    row_bucket_sizes,
+    separate_capture_stream,
+    shortest_span,
+)
 from .sampling import (
     CANDIDATE_TOP_K,
     apply_repetition_penalty,
@@ -119,9 +126,10 @@ class LLMStepGraphs:
     """
 
     def __init__(self, llm: QwenLM, cache: SlotKVCache, window: int, device: torch.device,
-                 whole_span_only: bool = False) -> None:
+                 whole_span_only: bool = False, gathered: bool = False) -> None:
         self.llm = llm
         self.cache = cache
+        self.gathered = gathered
         slots = cache.num_slots
         zeros = lambda dtype, *shape: torch.zeros(slots, *shape, dtype=dtype, device=device)  # noqa: E731
         self.inputs = LLMStepInputs(
@@ -130,8 +138,8 @@ class LLMStepGraphs:
             top_k=zeros(torch.long) + 1, penalty=zeros(torch.float32) + 1,
             greedy=zeros(torch.bool), seed=zeros(torch.long), counter=zeros(torch.long),
             window=zeros(torch.long, window))
-        self.rows = torch.arange(slots, device=device)
-        self.buckets = bucket_sizes(slots)
+        self.rows = torch.arange(slots, device=device)  # each row's slot (filled, if gathered)
+        self.buckets = row_bucket_sizes(slots) if gathered else bucket_sizes(slots)
         # attention that reads only the keys each row sees needs no shorter spans
         self.spans = ([cache.max_positions + 1] if whole_span_only
                       else llm_key_spans(cache.max_positions + 1))
@@ -144,13 +152,15 @@ class LLMStepGraphs:
     def _forward(self, index: int) -> torch.Tensor:
         bucket, span, path = self.keys[index]
         return llm_decode_step(self.llm, self.cache, self.inputs.slice(bucket), self.rows[:bucket],
-                               True, path, span)
+                               not self.gathered, path, span)
 
     def shape(self, slots: list[int], x: LLMStepInputs) -> tuple[int, int]:
         """The batch bucket and key span a step of rows ``slots`` at positions ``x.position``
-        replays: the smallest bucket past the highest slot (it computes every row below it)
-        and the shortest span that holds every row's position."""
-        return (next(b for b in self.buckets if b > max(slots)),
+        replays: the smallest bucket that holds the rows (``gathered``) or past the highest
+        slot (it computes every row below it), and the shortest span that holds every row's
+        position."""
+        rows = len(slots) if self.gathered else max(slots) + 1
+        return (next(b for b in self.buckets if b >= rows),
                 shortest_span(self.spans, int(x.position.max())))
 
     def capture_all(self, capture_stream: torch.cuda.Stream | None = None) -> None:
@@ -167,8 +177,12 @@ class LLMStepGraphs:
         span) to replay (``shape``, :meth:`shape`'s answer when the caller has it), the rows'
         index and the path to replay first."""
         shape = shape or self.shape(slots, x)
-        index = device_tensor(slots, self.rows.device)
         self.inputs.active[:shape[0]] = False
+        if self.gathered:  # row i is the i-th stream, its slot in the rows' index
+            index = device_tensor(list(range(len(slots))), self.rows.device)
+            self.rows[:shape[0]] = to_device(gathered_slots(slots, shape[0]), self.rows.device)
+        else:
+            index = device_tensor(slots, self.rows.device)
         for f in fields(LLMStepInputs):
             getattr(self.inputs, f.name)[index] = to_device(getattr(x, f.name), self.rows.device)
         fast = (*shape, "candidates") in self.graphs and int(x.top_k.max()) <= CANDIDATE_TOP_K
