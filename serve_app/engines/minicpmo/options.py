@@ -137,8 +137,9 @@ class EngineOptions:
     # the chat LLM step's rows in its CUDA graphs, the same choice: "streams", one row per chat
     # stream that takes a token this step (with visible_ranges attention), or "slot_range", every
     # LLM slot below the highest of them. A chat stream keeps its LLM slot until its text ends,
-    # and a step's rows are only those below their lookahead: at 576 read + 192 chat on an H200
-    # about 15 rows a step took tokens out of a 128-row slot range
+    # and a step's rows are only those below their lookahead. Engine alone on an H200 (afdd2de),
+    # two pairs: 23 against 83 rows a LLM step; 480 read + 160 chat 72.0 / 93.5 against 46.2 /
+    # 55.2 % real-time, step 60.1 / 59.2 against 67.5 / 65.6 ms (docs/benchmarks/README.md)
     llm_step_rows: Literal["streams", "slot_range"] = "streams"
     steps_per_sync: Positive = 5  # audio frames per engine step, chained on the device (one host sync);
     # a divisor of chunk_frames keeps every generate call aligned to engine steps
@@ -178,8 +179,9 @@ class EngineOptions:
     # computation on fewer tokens, but other matmul shapes, so other rounding (as a batch's
     # size already brings: batch-invariance-h200.json). Prompts in a cloned voice stay padded.
     # Off until measured: equal to the padded pass to float32 rounding on the tiny checkpoint
-    # (tests/engines/minicpmo/test_packed_prefill.py); on a GPU neither its speed nor its drift
-    # in bf16 has been measured; trained weights cannot be loaded here
+    # (tests/engines/minicpmo/test_packed_prefill.py). On an H200, one pair at 480 read + 160
+    # chat (afdd2de): step 50.7 against 53.3 ms, both 100 % real-time, inside one lease's spread;
+    # its drift in bf16 not measured; trained weights cannot be loaded here
     packed_prefill: StrictBool = False
     quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
