@@ -38,10 +38,10 @@ or it is not one), and never less than one step (every queued stream gets the ne
 admission). A step's admission refuses the queued streams it did not start whose wait would
 outlast their allowance by the next one (reason ``wait``): a refusal comes at the last
 admission that could have started the stream, not after its allowance, and before any work on
-it. At submission, a queue that already holds more
-than that time's admissions refuses at once (reason ``queue``), at the pace it has been
-starting streams while it held more (holds and prefill budgets included), not the most a step
-may start: a queue that starts fewer would refuse them late.
+it. At submission, a queue that already holds more than that time's admissions refuses at
+once (reason ``queue``), at the pace it has been starting streams while it held more (holds
+and prefill budgets included), not the most a step may start: a queue that starts fewer would
+refuse them late.
 
 **Behind**: the model projects a steady step; a burst of admissions, a slower mix or a pause can
 still let a listener's audio run out (a stream *ran dry*: its next audio came after it had
@@ -52,8 +52,9 @@ whose wait would outlast its allowance (Waiting) is refused at the next step, no
 allowance has run out. And a step whose listeners ran thin faster than it could cut their
 audio (``audio_cuts: on_demand``) starts no queued stream at the next: a ramp of new streams,
 each thin after its first chunk, paces itself to what the engine can keep fed; a new stream's
-projected wait counts that step (``thin_holds_queue``; without it the queue starts anyway).
-The model's projection alone cannot see what the engine's listeners see.
+projected wait counts that step, and a queued one that cannot wait a step more is refused at
+its start (``thin_holds_queue``; without it the queue starts anyway). The model's projection
+alone cannot see what the engine's listeners see.
 
 ``admission: slots`` keeps the old rule (a free slot admits, the queue waits as long as the
 timeouts allow): the A/B of the overload benchmark.
@@ -305,7 +306,7 @@ class WorkAdmission:
             return math.inf
         with self._lock:
             return (min(self._wait_allowance_s(False), self._wait_allowance_s(True))
-                    - self._hold_left_s() - (self._step_s if next_step else 0.0))
+                    - self._hold_left_s() - self._before_next_start_s(next_step))
 
     def holding(self) -> bool:
         """Whether queued streams wait for their slots (Behind): a stream ran dry lately, or
@@ -354,12 +355,13 @@ class WorkAdmission:
         those that could not by the next step's admission either (the caller's admission just
         passed them over). A hold (Behind) starts no queued stream before it ends: a stream
         whose allowance ends first is refused now, not when its allowance runs out (a refusal
-        is quick, or it is not one)."""
+        is quick, or it is not one); so is one the coming admission will not start because
+        thin listeners hold the queue, and that cannot wait for the next."""
         if not self.by_work:
             return [False for _ in waits]
         with self._lock:
             allowance = [self._wait_allowance_s(False), self._wait_allowance_s(True)]
-            ahead_s = self._hold_left_s() + (self._step_s if next_step else 0.0)
+            ahead_s = self._hold_left_s() + self._before_next_start_s(next_step)
         return [waited + ahead_s > allowance[chat] for waited, chat in waits]
 
     def refuse_waiting(self, work: StreamWork) -> EngineOverloadedError:
@@ -380,6 +382,11 @@ class WorkAdmission:
     def _hold_left_s(self) -> float:
         """How long the hold (Behind) still stops queued streams from starting."""
         return max(self._behind_until - time.monotonic(), 0.0) if self.by_work else 0.0
+
+    def _before_next_start_s(self, next_step: bool) -> float:
+        """A step if the next admission that may start a queued stream is a step away: one
+        just passed it over (``next_step``), or the coming one starts none (thin listeners)."""
+        return self._step_s if next_step or self._thin_hold() else 0.0
 
     def _wait_allowance_s(self, chat: bool) -> float:
         """How long a queued stream may wait for its slot: what its deadline leaves after its

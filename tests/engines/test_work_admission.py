@@ -243,6 +243,27 @@ def test_a_step_that_left_thin_listeners_uncut_pauses_the_queue_for_one_step():
     admission.take([READ], queued_ahead=0, admissions_per_step=16)
 
 
+def test_a_queued_stream_the_thin_hold_would_start_too_late_is_refused_before_the_held_step():
+    """At a step's start (no admission yet), with 0.06 s of allowance (0.44 s first audio,
+    0.5 s deadline) and 50 ms steps: a stream that has waited 0.02 s could still start at this
+    step's admission, so it waits; once a step leaves thin listeners uncut, this step's
+    admission starts none, and the next comes too late for it: refused now, not when the held
+    admission passes it over."""
+    admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16)
+    counts = np.array([40.0, 0.0, 0.0, 0.0])
+    admission.observe_first_audio(0.44)
+    admission.observe_step(counts, 0.3, 0.05)
+    assert admission.expired([(0.0, False), (0.02, False)]) == [False, False]
+    assert admission.shortest_wait_s() > 0.02
+    admission.observe_step(counts, 0.3, 0.05, uncut_thin=5)
+    assert admission.expired([(0.0, False), (0.02, False)]) == [False, True]
+    assert admission.shortest_wait_s() < 0.02
+    # the admission after the held one: as before (a step ahead only once it passed them over)
+    admission.observe_step(counts, 0.3, 0.05)
+    assert admission.expired([(0.02, False)]) == [False]
+    assert admission.expired([(0.02, False)], next_step=True) == [True]
+
+
 def test_without_the_thin_hold_thin_listeners_neither_pause_the_queue_nor_delay_a_new_stream():
     admission = WorkAdmission("work", 0.5, 0.5, max_slots=64, max_chat_slots=16,
                               thin_holds_queue=False)
