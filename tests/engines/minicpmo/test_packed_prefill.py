@@ -103,3 +103,22 @@ async def spoken_texts(engine: MiniCPMOEngine, requests: list[SpeechRequest]) ->
         return "".join([chunk.text async for chunk in stream])
 
     return list(await asyncio.gather(*(text(s) for s in streams)))
+
+
+def test_the_drift_benchmark_runs_on_the_tiny_checkpoint(tiny_checkpoint):
+    """bench/accuracy/packed_prefill.py on the tiny checkpoint (float32): both arms against the
+    padded pass, over admissions of several prompts, what each kept (logits, speakers, keys and
+    values) copied before the next arm rewrites the slots; in float32 both agree on every first
+    token."""
+    from bench.accuracy.packed_prefill import measure
+
+    model = load_speech_model(str(tiny_checkpoint), device="cpu", dtype=torch.float32)
+    result = measure(model, count=6, group=4, longest=40, seed=1)
+    computed = result["tokens_computed"]
+    assert computed["packed"] < computed["padded_to_longest"]
+    for arm in ("packed", "floor"):
+        figures = result[arm]
+        assert figures["top1_agreement"] == 1.0
+        assert 0.0 < figures["speaker_cosine_min"] <= 1.0 + 1e-6
+        assert figures["keys_relative_error"]["max"] < 1e-4
+        assert figures["kl_nats_temperature_1"]["max"] < 1e-4
