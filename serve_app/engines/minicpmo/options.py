@@ -178,10 +178,11 @@ class EngineOptions:
     # (device/packed_prefill.py), not padded to the longest and to graph buckets: the same
     # computation on fewer tokens, but other matmul shapes, so other rounding (as a batch's
     # size already brings: batch-invariance-h200.json). Prompts in a cloned voice stay padded.
-    # Off until measured: equal to the padded pass to float32 rounding on the tiny checkpoint
-    # (tests/engines/minicpmo/test_packed_prefill.py). On an H200, one pair at 480 read + 160
-    # chat (afdd2de): step 50.7 against 53.3 ms, both 100 % real-time, inside one lease's spread;
-    # its drift in bf16 not measured; trained weights cannot be loaded here
+    # Off until measured: on the tiny checkpoint in float32 it moves logits, speaker embeddings
+    # and keys no more than a batch's shape does (bench/accuracy/packed_prefill.py; tests in
+    # test_packed_prefill.py). On an H200, one pair at 480 read + 160 chat (afdd2de): step 50.7
+    # against 53.3 ms, both 100 % real-time, inside one lease's spread; its drift in bf16 on
+    # full-size weights not measured yet; trained weights cannot be loaded here
     packed_prefill: StrictBool = False
     quantization: str = "none"  # LLM linears: none | int8 | int4 | int4-tinygemm (quantization.py)
     gpu_memory_gb: float | None = None  # cap this engine's CUDA allocations (1e9 bytes), as a
