@@ -33,6 +33,7 @@ import yaml
 from bench.overload.levels import LEVELS_X, MIXES, StreamFate, level_schedules, percentile, summarize
 from bench.overload.run import acceptance
 from bench.served.arrivals import CHAT_TEXT, READ_TEXT
+from bench.served.config import key_values
 from bench.served.report import gpu_name
 from harness.service import ROOT, git_commit
 from serve_app.engines.base import EngineOverloadedError, SpeechRequest
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="real weights (the tests' tiny checkpoint) instead of random ones")
     parser.add_argument("--device", default=None, help="override the config's device")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine option over the config's (as scripts/bench_overload's)")
     parser.add_argument("--ttfb-p99-ms", type=float, default=500.0)
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
@@ -68,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_options(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     config = yaml.safe_load(args.config.read_text(encoding="utf-8"))
     [app] = config["applications"]
-    options = dict(app["args"]["engine_options"])
+    options = {**app["args"]["engine_options"], **key_values(args.engine_option)}
     admission, _, rest = variant.partition(":")
     margin, _, hold = rest.partition(":")
     options["admission"] = admission

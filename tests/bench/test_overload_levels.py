@@ -104,3 +104,18 @@ def test_merged_runs_keep_each_levels_own_commit(tmp_path):
     assert result["slots_levels"][0]["git_commit"] == "aaa"
     assert result["sessions"]["git_commit"] == "aaa"
     assert result["git_commit"] == "ccc"
+
+
+def test_the_engine_alone_takes_the_shipped_options_with_the_ones_asked_over_them():
+    """bench.overload.engine builds its engine from serve_config.yaml's engine options, an
+    admission variant and ``--engine-option`` pairs (read as YAML) over them."""
+    from bench.overload.engine import engine_options, parse_args
+
+    args = parse_args(["--out", "x.json", "--engine-option", "llm_step_rows=slot_range",
+                       "--engine-option", "packed_prefill=true"])
+    options = engine_options(args, "work:0.4:1")
+    assert options["llm_step_rows"] == "slot_range" and options["packed_prefill"] is True
+    assert (options["admission"], options["admission_margin"], options["behind_hold_s"]) == (
+        "work", 0.4, 1.0)
+    assert options["prefill_beside_window"] is True  # the config's own, kept
+    assert engine_options(parse_args(["--out", "x.json"]), "slots").get("packed_prefill") is None
