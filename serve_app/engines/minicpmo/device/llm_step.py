@@ -139,6 +139,7 @@ class LLMStepGraphs:
             greedy=zeros(torch.bool), seed=zeros(torch.long), counter=zeros(torch.long),
             window=zeros(torch.long, window))
         self.rows = torch.arange(slots, device=device)  # each row's slot (filled, if gathered)
+        self._first_rows = torch.arange(slots, device=device)  # gathered: streams' rows, in order
         self.buckets = row_bucket_sizes(slots) if gathered else bucket_sizes(slots)
         # attention that reads only the keys each row sees needs no shorter spans
         self.spans = ([cache.max_positions + 1] if whole_span_only
@@ -179,7 +180,7 @@ class LLMStepGraphs:
         shape = shape or self.shape(slots, x)
         self.inputs.active[:shape[0]] = False
         if self.gathered:  # row i is the i-th stream, its slot in the rows' index
-            index = device_tensor(list(range(len(slots))), self.rows.device)
+            index = self._first_rows[:len(slots)]
             self.rows[:shape[0]] = to_device(gathered_slots(slots, shape[0]), self.rows.device)
         else:
             index = device_tensor(slots, self.rows.device)
