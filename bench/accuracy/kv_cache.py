@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -55,6 +56,28 @@ def load(weights: str, device: str, dtype: torch.dtype):
         from tests.golden.checkpoint import build_tiny_checkpoint
         weights = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tiny-minicpmo-"))))
     return load_speech_model(weights, device=device, dtype=dtype)
+
+
+def drift_parser(doc: str) -> argparse.ArgumentParser:
+    """A drift benchmark's command line: its ``--weights`` and ``--device``, the rest its own."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", default="tiny",
+                        help="tiny (the golden checkpoint), random (full size) or a folder")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser
+
+
+def model_for(weights: str, device: str, module: str) -> tuple[object, dict]:
+    """A drift benchmark's model (:func:`load`: bf16 on CUDA, float32 elsewhere) and the head of
+    its result: the command that ran (``module`` and this process's arguments), commit, weights,
+    dtype and device."""
+    on_cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    head = {"command": " ".join([f"python -m {module}", *sys.argv[1:]]),
+            "git_commit": git_commit(), "weights": weights, "dtype": str(dtype),
+            "device": torch.cuda.get_device_name() if on_cuda else "cpu"}
+    return load(weights, device, dtype), head
 
 
 class Streams:

@@ -23,17 +23,14 @@ is built (``--weights <checkpoint folder>`` runs on them).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.accuracy.kv_cache import kl, load, summary
-from harness.service import git_commit
+from bench.accuracy.kv_cache import drift_parser, kl, model_for, summary
 from serve_app.engines.minicpmo.device.graphs import shortest_span
 from serve_app.engines.minicpmo.device.llm_step import (
     LLMStepInputs,
@@ -149,11 +146,7 @@ def measure(model, streams: int, steps: int, seed: int, longest_prompt: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="tiny",
-                        help="tiny (the golden checkpoint), random (full size) or a folder")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = drift_parser(__doc__)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--longest-prompt", type=int, default=300)
@@ -163,13 +156,8 @@ def main() -> None:
                              "both bf16 paths with it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    on_cuda = args.device.startswith("cuda")
-    dtype = torch.bfloat16 if on_cuda else torch.float32
-    model = load(args.weights, args.device, dtype)
-    result = {"command": " ".join(["python -m bench.accuracy.llm_attention"] + sys.argv[1:]),
-              "git_commit": git_commit(), "weights": args.weights, "dtype": str(dtype),
-              "device": torch.cuda.get_device_name() if on_cuda else "cpu",
-              "kernel_ran": on_cuda,
+    model, head = model_for(args.weights, args.device, "bench.accuracy.llm_attention")
+    result = {**head, "kernel_ran": args.device.startswith("cuda"),
               **measure(model, args.streams, args.steps, args.seed, args.longest_prompt,
                         args.float32_reference)}
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -23,17 +23,14 @@ project is built (``--weights <checkpoint folder>`` runs on them).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.accuracy.kv_cache import kl, load, summary
+from bench.accuracy.kv_cache import drift_parser, kl, model_for, summary
 from bench.accuracy.llm_attention import CHAT_TEMPERATURE
-from harness.service import git_commit
 from serve_app.engines.minicpmo.device.runner import ModelRunner
 from serve_app.engines.minicpmo.engine import EngineOptions
 
@@ -112,24 +109,15 @@ def measure(model, count: int, group: int, longest: int, seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="tiny",
-                        help="tiny (the golden checkpoint), random (full size) or a folder")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = drift_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=16, help="prompts a pass (prefill_prompts)")
     parser.add_argument("--longest-prompt", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    on_cuda = args.device.startswith("cuda")
-    dtype = torch.bfloat16 if on_cuda else torch.float32
-    model = load(args.weights, args.device, dtype)
-    result = {"command": " ".join(["python -m bench.accuracy.packed_prefill"] + sys.argv[1:]),
-              "git_commit": git_commit(), "weights": args.weights, "dtype": str(dtype),
-              "device": torch.cuda.get_device_name() if on_cuda else "cpu",
-              **measure(model, args.prompts, args.group, args.longest_prompt, args.seed)}
+    model, head = model_for(args.weights, args.device, "bench.accuracy.packed_prefill")
+    result = {**head, **measure(model, args.prompts, args.group, args.longest_prompt, args.seed)}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("weights", "tokens_computed", "packed", "floor")},
                      indent=1))
