@@ -12,7 +12,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -102,12 +101,7 @@ async def profile_kernels(engine: MiniCPMOEngine, delay_s: float, seconds: float
     window_s = time.perf_counter() - started
     steps = engine.stats().steps - steps_before
     if trace_path:
-        import gzip
-        import shutil
-        prof.export_chrome_trace(trace_path)
-        with open(trace_path, "rb") as raw, gzip.open(trace_path + ".gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        Path(trace_path).unlink()
+        prof.export_chrome_trace(trace_path + ".gz")  # torch.profiler gzips a .gz path itself
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     kernels.sort(key=lambda e: -e.self_device_time_total)

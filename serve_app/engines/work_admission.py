@@ -257,8 +257,8 @@ class WorkAdmission:
                 if admissions_per_step and (queued_ahead or self._thin_hold()):
                     # the steps until its admission, and the next one if it holds the queue
                     per_step = min(admissions_per_step, self._drain_per_step or admissions_per_step)
-                    steps = math.ceil((queued_ahead + 1) / per_step) + self._thin_hold()
-                    wait_s = steps * self._step_s
+                    wait_s = (math.ceil((queued_ahead + 1) / per_step) * self._step_s
+                              + self._before_next_start_s(False))
                     if wait_s > max(self._wait_allowance_s(w.chat) for w in works):
                         self._refuse("queue", added)
                         raise EngineOverloadedError("the engine's queue would start it too late", "queue")
